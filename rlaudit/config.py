@@ -1,0 +1,369 @@
+"""The algorithm/trainer configuration: nested dataclasses with verl's key names where they exist.
+
+A config file (YAML) mirrors this tree, e.g.::
+
+    algorithm: {adv_estimator: grpo, norm_adv_by_std_in_grpo: true}
+    actor: {loss_agg_mode: token-mean, entropy_coeff: 0.0, calculate_entropy: true,
+            ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2}
+
+:func:`from_dict` builds it and rejects unknown keys and badly typed values with the file and the
+dotted key. Every field has a docstring (the string literal under it) that ``rlaudit list`` and the
+docs show. Names are validated against the algo registries by :func:`validate_names` (kept apart
+so that this module imports nothing heavy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from rlaudit.errors import InputError
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer. SGD makes fp32 CPU parity comparisons tight (AdamW amplifies tiny grads)."""
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop prompt groups whose metric has zero std."""
+
+    enable: bool = False
+    metric: Literal["seq_reward", "seq_final_reward", "acc", "score"] = "seq_final_reward"
+    """Per-trajectory metric whose std decides: seq_reward = sum of token-level scores,
+    seq_final_reward = sum of token-level rewards (after KL-in-reward), acc/score = the rule score."""
+    max_num_gen_batches: int = 10
+    """Give up (with a clear error) after this many generation batches; <= 0 means no limit."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator: gae, grpo, drgrpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline."""
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's std (False = Dr.GRPO-style mean-centering only)."""
+    use_kl_in_reward: bool = False
+    """token_level_rewards = token_level_scores - kl_coef * KL(old || ref), built out of place."""
+    kl_penalty: str = "kl"
+    """KL estimator used in the reward: kl/k1, abs, mse/k2, low_var_kl/k3, full."""
+    kl_coef: float = 0.001
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Train-vs-rollout mismatch handling (the sampling engine's log-probs vs the trainer's)."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights exp(old_log_probs - rollout_log_probs) per token, or per sequence
+    (product over its tokens); None = off."""
+    rollout_is_threshold: float = 2.0
+    """Truncate weights above this (TIS)."""
+    use_rollout_kl_loss: bool = False
+    """Add a penalty on current-vs-rollout log-prob drift (SkyRL's rollout KL loss)."""
+    rollout_kl_loss_coef: float = 0.001
+    rollout_kl_loss_type: str = "k2"
+    """k1, abs, k2/mse, k3/low_var_kl."""
+
+
+@dataclass
+class DistillConfig:
+    enable: bool = False
+    loss_type: str = "forward_kl_topk"
+    """forward_kl_topk (teacher's top-k log-probs) or k3 (teacher log-prob of the sampled token)."""
+    coef: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    loss_mode: str = "vanilla"
+    """Policy loss: vanilla (PPO clip, asymmetric + dual clip), gspo, cispo."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm divides each sequence's token sum by this (None = response width R
+    of the whole batch, a constant across micro-batches)."""
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon; None = clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon; None = clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    entropy_coeff: float = 0.0
+    """Weight of -entropy in the loss. Entropy is *computed* when this is non-zero or
+    calculate_entropy is true, and then always logged as actor/entropy."""
+    calculate_entropy: bool = False
+    """Compute and log entropy even when entropy_coeff is 0 (verl PR #6016)."""
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    ppo_mini_batch_size: int = 4
+    """Prompts per optimizer step (multiplied by rollout.n, as in verl)."""
+    ppo_micro_batch_size_per_gpu: int = 2
+    """Trajectories per forward/backward on each data-parallel rank (when not use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by token budget instead of by count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget (prompt + response tokens) of one micro-batch when use_dynamic_bsz."""
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this; <= 0 disables clipping (the norm is still logged)."""
+    logprob_chunk_size: int = 1024
+    """Rows of logits processed at once by the chunked log-prob/entropy."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+@dataclass
+class CriticConfig:
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    ppo_micro_batch_size_per_gpu: int = 2
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 4
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 = off."""
+    response_length: int = 32
+    """Maximum response tokens."""
+    prompt_length: int = 64
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO overlong penalty: min(-(len - (max_len - buffer_len)) / buffer_len * factor, 0)."""
+
+    enable: bool = False
+    len: int = 8
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class DataConfig:
+    train_batch_size: int = 4
+    """Prompts per training step (after filtering)."""
+    gen_batch_size: int | None = None
+    """Prompts per generation batch (None = train_batch_size)."""
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 0
+    total_steps: int = 1
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    balance_batch: bool = False
+    """Reorder trajectories so data-parallel ranks get similar token counts."""
+    dp_size: int = 1
+    """Data-parallel size the trainer plans micro-batches for (backends override it)."""
+
+
+@dataclass
+class Config:
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def compute_entropy(self) -> bool:
+        """SEEDS.md §1: entropy is computed when either knob asks for it."""
+        return self.actor.calculate_entropy or self.actor.entropy_coeff != 0
+
+
+# ------------------------------------------------------------------------------------------------
+# dict <-> dataclass with strict checking
+# ------------------------------------------------------------------------------------------------
+
+def from_dict(cls, data: Mapping[str, Any] | None, *, source: str | None = None, prefix: str = ""):
+    """Build dataclass ``cls`` from ``data`` (nested dicts). Unknown keys and values of the wrong
+    type raise :class:`InputError` naming ``source`` and the dotted key."""
+    data = {} if data is None else data
+    if not isinstance(data, Mapping):
+        raise InputError(f"expected a mapping, got {type(data).__name__}", source=source,
+                         key=prefix.rstrip(".") or None)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            raise InputError(f"unknown key; valid keys here: {', '.join(sorted(fields))}",
+                             source=source, key=dotted)
+        kwargs[key] = _coerce(hints[key], value, source=source, key=dotted)
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> dict[str, Any]:
+    """Nested plain dict of a config dataclass (tuples become lists: YAML/JSON friendly)."""
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+    return conv(obj)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"actor": {"optim": {"lr": 1}}} -> {"actor.optim.lr": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp, value, *, source, key):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source=source, prefix=f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, source=source, key=key)
+            except InputError as e:
+                errors.append(e)
+        raise InputError(f"expected {_type_name(tp)}, got {value!r}", source=source, key=key)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise InputError(f"expected one of {list(allowed)}, got {value!r}", source=source,
+                             key=key)
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise InputError(f"expected a list of {len(args)} values, got {value!r}",
+                             source=source, key=key)
+        return tuple(_coerce(a, v, source=source, key=key) for a, v in zip(args, value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise InputError(f"expected true/false, got {value!r}", source=source, key=key)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"expected an integer, got {value!r}", source=source, key=key)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML reads 1e-6 (no dot) as a string: accept numeric strings
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise InputError(f"expected a number, got {value!r}", source=source, key=key)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise InputError(f"expected a string, got {value!r}", source=source, key=key)
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"config type {tp} of {key} is not supported")  # a bug in this module
+
+
+def load_config(data: Mapping[str, Any] | None, *, source: str | None = None,
+                prefix: str = "") -> Config:
+    """Build and fully validate a :class:`Config` (types, ranges, registry names)."""
+    cfg = from_dict(Config, data, source=source, prefix=prefix)
+    validate(cfg, source=source, prefix=prefix)
+    return cfg
+
+
+def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> None:
+    """Range checks and registry names. Registries are imported here, lazily, so that reading a
+    config needs no torch."""
+    def bad(key, msg):
+        raise InputError(msg, source=source, key=f"{prefix}{key}")
+
+    a, act = cfg.algorithm, cfg.actor
+    for key, v in (("actor.ppo_mini_batch_size", act.ppo_mini_batch_size),
+                   ("actor.ppo_micro_batch_size_per_gpu", act.ppo_micro_batch_size_per_gpu),
+                   ("actor.ppo_epochs", act.ppo_epochs),
+                   ("actor.ppo_max_token_len_per_gpu", act.ppo_max_token_len_per_gpu),
+                   ("actor.logprob_chunk_size", act.logprob_chunk_size),
+                   ("critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu),
+                   ("critic.ppo_epochs", cfg.critic.ppo_epochs),
+                   ("rollout.n", cfg.rollout.n), ("rollout.response_length", cfg.rollout.response_length),
+                   ("data.train_batch_size", cfg.data.train_batch_size),
+                   ("trainer.dp_size", cfg.trainer.dp_size)):
+        if v < 1:
+            bad(key, f"must be >= 1, got {v}")
+    if cfg.rollout.temperature <= 0:
+        bad("rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        bad("rollout.top_p", f"must be in (0, 1], got {cfg.rollout.top_p}")
+    if act.clip_ratio_c <= 1:
+        bad("actor.clip_ratio_c", f"dual-clip bound must be > 1, got {act.clip_ratio_c}")
+    for key, v in (("actor.clip_ratio", act.clip_ratio), ("actor.clip_ratio_low", act.clip_ratio_low),
+                   ("actor.clip_ratio_high", act.clip_ratio_high)):
+        if v is not None and v < 0:
+            bad(key, f"must be >= 0, got {v}")
+    if act.loss_scale_factor is not None and act.loss_scale_factor <= 0:
+        bad("actor.loss_scale_factor", f"must be > 0, got {act.loss_scale_factor}")
+    if a.gamma < 0 or a.gamma > 1 or a.lam < 0 or a.lam > 1:
+        bad("algorithm.gamma", "gamma and lam must be in [0, 1]")
+    if cfg.data.gen_batch_size is not None and cfg.data.gen_batch_size < cfg.data.train_batch_size:
+        bad("data.gen_batch_size", "must be >= data.train_batch_size")
+
+    from rlaudit.algo import names  # lazy: pulls in torch
+    checks = (
+        ("algorithm.adv_estimator", a.adv_estimator, names.ADV_ESTIMATORS),
+        ("algorithm.kl_penalty", a.kl_penalty, names.KL_ESTIMATORS),
+        ("actor.loss_mode", act.loss_mode, names.POLICY_LOSSES),
+        ("actor.loss_agg_mode", act.loss_agg_mode, names.AGG_MODES),
+        ("actor.kl_loss_type", act.kl_loss_type, names.KL_ESTIMATORS),
+        ("actor.rollout_correction.rollout_kl_loss_type",
+         act.rollout_correction.rollout_kl_loss_type, names.KL_ESTIMATORS),
+        ("actor.distill.loss_type", act.distill.loss_type, names.DISTILL_LOSSES),
+        ("critic.loss_agg_mode", cfg.critic.loss_agg_mode, names.AGG_MODES),
+    )
+    for key, value, registry in checks:
+        registry.get(value, source=source, key=f"{prefix}{key}")

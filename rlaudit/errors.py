@@ -1,0 +1,55 @@
+"""Errors a user can cause, and the exit codes they map to.
+
+Exit codes (the whole CLI): 0 all checks passed, 1 an invariant or golden comparison failed,
+2 bad input or usage (malformed scenario, truncated rollout file, unknown config key, ...).
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class RlauditError(Exception):
+    """Base class of every error rlaudit raises on purpose."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class InputError(RlauditError, ValueError):
+    """Bad input: names where it came from (``source``: a file or argument), the offending ``key``
+    (a dotted config key or a tensor field) and what was expected."""
+
+    def __init__(self, message: str, *, source: str | None = None, key: str | None = None):
+        self.source = source
+        self.key = key
+        where = ": ".join(p for p in (source, key) if p)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class UnknownNameError(InputError, KeyError):
+    """A name looked up in a registry (an advantage estimator, a KL type, ...) does not exist."""
+
+    def __init__(self, kind: str, name: object, valid: list[str], *, source: str | None = None,
+                 key: str | None = None):
+        self.kind = kind
+        self.name = name
+        self.valid = sorted(valid)
+        super().__init__(f"unknown {kind} {name!r}; valid: {', '.join(self.valid)}",
+                         source=source, key=key)
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class CheckFailed(RlauditError, AssertionError):
+    """An invariant or golden comparison did not hold."""
+
+    exit_code = EXIT_CHECK_FAILED
+
+
+class RankFailure(RlauditError, RuntimeError):
+    """A rank of a multi-process group raised, died, or did not finish within its timeout."""
+
+    exit_code = EXIT_CHECK_FAILED

@@ -1,0 +1,27 @@
+"""Shared test settings: hypothesis profiles, GPU skipping, torch thread count."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# CI has 2 cores and runs pytest-xdist with 2 workers: one intra-op thread per worker.
+torch.set_num_threads(int(os.environ.get("RLAUDIT_TEST_THREADS", "1")))
+
+settings.register_profile("ci", max_examples=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=500, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (nightly GPU job)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
