@@ -180,8 +180,9 @@ class TrainerConfig:
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     balance_batch: bool = False
     """Reorder trajectories so data-parallel ranks get similar token counts."""
-    dp_size: int = 1
-    """Data-parallel size the trainer plans micro-batches for (backends override it)."""
+    extra_padding_microbatches: int = 0
+    """Audit knob: append this many padding micro-batches (response_mask all False) to every
+    optimizer step on every rank. A correct update is unchanged by them."""
 
 
 @dataclass
@@ -333,9 +334,11 @@ def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> Non
                    ("critic.ppo_epochs", cfg.critic.ppo_epochs),
                    ("rollout.n", cfg.rollout.n), ("rollout.response_length", cfg.rollout.response_length),
                    ("data.train_batch_size", cfg.data.train_batch_size),
-                   ("trainer.dp_size", cfg.trainer.dp_size)):
+                   ):
         if v < 1:
             bad(key, f"must be >= 1, got {v}")
+    if cfg.trainer.extra_padding_microbatches < 0:
+        bad("trainer.extra_padding_microbatches", "must be >= 0")
     if cfg.rollout.temperature <= 0:
         bad("rollout.temperature", f"must be > 0, got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:

@@ -62,6 +62,7 @@ KNOWN_FIELDS: dict[str, FieldSpec] = {
     "token_level_rewards": FieldSpec(Kind.TOKEN, "float", "scores minus any KL-in-reward"),
     "advantages": FieldSpec(Kind.TOKEN, "float", "advantage estimates"),
     "returns": FieldSpec(Kind.TOKEN, "float", "return targets for the critic"),
+    "kl": FieldSpec(Kind.TOKEN, "float", "stored per-token KL(old || ref) used in the reward"),
     "rollout_is_weights": FieldSpec(Kind.TOKEN, "float", "rollout importance weights"),
     "teacher_topk_ids": FieldSpec(Kind.TOKEN, "int", "[B, R, K] teacher's top-k token ids"),
     "teacher_topk_log_probs": FieldSpec(Kind.TOKEN, "float", "[B, R, K] teacher's top-k log-probs"),
