@@ -140,7 +140,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
     Returns:
         A 0-dim tensor in ``loss_mat``'s dtype; 0 (not NaN) when the denominator is 0.
     """
-    fn = AGG_MODES.get(mode, key="loss_agg_mode")
+    fn = AGG_MODES.get(mode, key="mode")
     m = _as_bool_mask(mask, loss_mat)
     if denom is None:
         denom = Denominators.of(m)
@@ -180,10 +180,13 @@ def _masked_extreme(x, mask, empty, fill, reduce):
 
 
 def masked_max(x: torch.Tensor, mask: torch.Tensor, *, empty: float = 0.0) -> torch.Tensor:
-    """Max of ``x`` over valid positions (``mask`` same shape, True/1 = counts); ``empty`` if none."""
+    """Max of ``x`` over positions where ``mask`` (same shape, True/1 = counts) is set.
+
+    NaN/inf under mask 0 are ignored; returns ``empty`` (a 0-dim tensor) when none is valid.
+    """
     return _masked_extreme(x, mask, empty, float("-inf"), torch.amax)
 
 
 def masked_min(x: torch.Tensor, mask: torch.Tensor, *, empty: float = 0.0) -> torch.Tensor:
-    """Min of ``x`` over valid positions (``mask`` same shape, True/1 = counts); ``empty`` if none."""
+    """Min of ``x`` over positions where ``mask`` is set; see :func:`masked_max`."""
     return _masked_extreme(x, mask, empty, float("inf"), torch.amin)

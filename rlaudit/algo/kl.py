@@ -6,14 +6,12 @@ unbiased, k2 is biased but has low variance (Schulman, "Approximating KL diverge
 http://joschu.net/blog/kl-approx.html). Names are verl's (``actor.kl_loss_type``,
 ``algorithm.kl_penalty``):
 
-=====================  ==============================================================
-``kl`` / ``k1``        ``logp - ref``
-``abs``                ``|logp - ref|``
-``mse`` / ``k2``       ``0.5 * (logp - ref)^2``
-``low_var_kl`` / ``k3``  ``exp(ref - logp) - (ref - logp) - 1``, clamped as verl does
-``k1+`` / ``kl+``      value of k1, gradient of k2 (straight-through)
-``k3+`` / ``low_var_kl+``  value of k3, gradient of k2 (straight-through)
-=====================  ==============================================================
+- ``kl`` / ``k1``: ``logp - ref``
+- ``abs``: ``|logp - ref|``
+- ``mse`` / ``k2``: ``0.5 * (logp - ref)^2``
+- ``low_var_kl`` / ``k3``: ``exp(ref - logp) - (ref - logp) - 1``, clamped as verl does
+- ``k1+`` / ``kl+``: value of k1, gradient of k2 (straight-through)
+- ``k3+`` / ``low_var_kl+``: value of k3, gradient of k2 (straight-through)
 
 The estimate is returned per token, **unmasked**: the caller aggregates it with
 :func:`rlaudit.algo.agg.agg_loss` (which ignores masked positions, whatever their values).
@@ -102,7 +100,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         UnknownNameError: ``kind`` is not registered.
         InputError: the shapes differ.
     """
-    fn = KL_ESTIMATORS.get(kind, key="kl_type")
+    fn = KL_ESTIMATORS.get(kind, key="kind")
     if log_prob.shape != ref_log_prob.shape:
         raise InputError(f"shape {tuple(ref_log_prob.shape)} must equal log_prob's shape "
                          f"{tuple(log_prob.shape)}", key="ref_log_prob")

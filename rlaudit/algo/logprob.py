@@ -10,8 +10,10 @@ at a time by one ``torch.autograd.Function``:
 - backward recomputes the softmax chunk by chunk and writes the gradient into one
   preallocated ``[N, V]`` tensor (the gradient autograd has to return anyway).
 
-Peak extra memory is therefore about two ``[chunk_size, V]`` buffers in the compute dtype,
-independent of the number of rows (measured by ``benchmarks/logprob_entropy.py``).
+Peak extra memory is therefore about 1.25 ``[chunk_size, V]`` buffers in the compute dtype
+(one chunk of shifted logits plus a quarter-chunk of exponentials), independent of the number of
+rows; backward adds the ``[N, V]`` gradient itself (measured by
+``benchmarks/logprob_entropy.py``).
 
 Temperature is applied as rollout engines apply it for their "processed" log-probs (vLLM
 ``logprobs_mode="processed_logprobs"``): logits are divided by ``T`` before the softmax, and the
@@ -38,10 +40,21 @@ __all__ = ["logprobs_from_logits", "entropy_from_logits", "log_probs_at"]
 #: turns 0 * (-inf) (a NaN) into 0 * (-1e4) for masked (-inf) vocabulary entries.
 _LOGP_FLOOR = -1.0e4
 
-#: Default rows per chunk. Peak extra memory is ~2 * chunk_size * V * 4 bytes (float32 compute):
-#: 1.2 GB for V = 151936, i.e. 25% of the logits of an [8192, 151936] float32 batch. Pass a
-#: smaller chunk_size for fewer rows or half-precision logits.
+#: Default rows per chunk (verl's order of magnitude). Peak extra memory is about
+#: 1.25 * chunk_size * V * 4 bytes with float32 compute (see _SUB_BLOCKS): 0.74 GiB for
+#: V = 151936, i.e. ~16% of the logits of an [8192, 151936] float32 batch. Pass a smaller
+#: chunk_size for fewer rows or half-precision logits.
 DEFAULT_CHUNK_SIZE = 1024
+
+#: The second working buffer (exp of the shifted logits) covers a quarter of a chunk at a time,
+#: so a chunk costs ~1.25 instead of 2 row-buffers; more sub-blocks would add kernel launches
+#: for little memory.
+_SUB_BLOCKS = 4
+
+
+def _sub_rows(chunk_rows: int) -> int:
+    """Rows of the sub-block buffer for a chunk of ``chunk_rows`` rows (>= 1)."""
+    return max(1, -(-chunk_rows // _SUB_BLOCKS))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,12 +87,14 @@ def _forward_stats(rows: torch.Tensor, ids: torch.Tensor, temperature: float, ch
     if n == 0:
         return logp, lse, entropy
     c = min(chunk_size, n)
-    shifted = torch.empty((c, v), dtype=cdt, device=rows.device)  # x/T - max(x/T)
-    expd = torch.empty((c, v), dtype=cdt, device=rows.device)     # exp(shifted)
+    sub = _sub_rows(c)
+    shifted = torch.empty((c, v), dtype=cdt, device=rows.device)    # x/T - max(x/T)
+    expd = torch.empty((sub, v), dtype=cdt, device=rows.device)     # exp(shifted), sub-block
+    sum_exp = torch.empty(c, dtype=cdt, device=rows.device)         # S = sum_v exp(shifted)
+    sum_ey = torch.zeros(c, dtype=cdt, device=rows.device)          # sum_v exp(shifted) * shifted
     for s in range(0, n, c):
         e = min(s + c, n)
-        x = rows[s:e]
-        y, ex = shifted[: e - s], expd[: e - s]
+        x, y = rows[s:e], shifted[: e - s]
         # max(x / T) = max(x) / T for T > 0; subtracting it makes exp() safe.
         m = x.amax(dim=-1, keepdim=True).to(cdt)
         torch.sub(x, m, out=y)
@@ -87,15 +102,18 @@ def _forward_stats(rows: torch.Tensor, ids: torch.Tensor, temperature: float, ch
             y.div_(temperature)
         logp[s:e] = y.gather(1, ids[s:e])            # before the clamp: -inf stays -inf
         y.clamp_(min=_LOGP_FLOOR)
-        torch.exp(y, out=ex)
-        sum_exp = ex.sum(dim=-1)
-        log_sum = sum_exp.log()
+        for a in range(0, e - s, sub):
+            b = min(a + sub, e - s)
+            ex = torch.exp(y[a:b], out=expd[: b - a])
+            sum_exp[a:b] = ex.sum(dim=-1)
+            if want_entropy:
+                sum_ey[a:b] = ex.mul_(y[a:b]).sum(dim=-1)
+        log_sum = sum_exp[: e - s].log()
         logp[s:e] -= log_sum.unsqueeze(-1)
         lse[s:e] = m.squeeze(-1) / temperature + log_sum
         if want_entropy:
-            # H = -sum p (y - log S) with p = ex / S  ==  log S - sum(ex * y) / S
-            ex.mul_(y)
-            entropy[s:e] = log_sum - ex.sum(dim=-1) / sum_exp
+            # H = -sum p (y - log S) with p = exp(y) / S  ==  log S - sum(exp(y) * y) / S
+            entropy[s:e] = log_sum - sum_ey[: e - s] / sum_exp[: e - s]
     return logp, lse, entropy
 
 
@@ -138,9 +156,11 @@ class _ChunkedLogSoftmaxStats(torch.autograd.Function):
         g_h = (None if grad_entropy is None or not ctx.want_entropy
                else grad_entropy.to(cdt).unsqueeze(-1))
         c = min(c, n)
+        sub = _sub_rows(c)
         logp_buf = torch.empty((c, v), dtype=cdt, device=rows.device)
-        # Write probabilities straight into the gradient when dtypes agree (one buffer less).
-        p_buf = None if rows.dtype == cdt else torch.empty((c, v), dtype=cdt, device=rows.device)
+        # Probabilities go straight into the gradient when dtypes agree; otherwise through a
+        # sub-block buffer in the compute dtype (1 - p at the label needs its precision).
+        p_buf = None if rows.dtype == cdt else torch.empty((sub, v), dtype=cdt, device=rows.device)
         for s in range(0, n, c):
             e = min(s + c, n)
             lp = logp_buf[: e - s]
@@ -148,20 +168,23 @@ class _ChunkedLogSoftmaxStats(torch.autograd.Function):
             if t != 1.0:
                 lp.div_(t)                               # log p = (x - T*lse) / T
             lp.clamp_(min=_LOGP_FLOOR)
-            p = grad[s:e] if p_buf is None else p_buf[: e - s]
-            torch.exp(lp, out=p)
-            # weight_j = sum_k g_k + g_H * (log p_j + H); grad_j = -p_j * weight_j + scatter(g)
-            if g_h is not None:
-                lp.add_(entropy[s:e].unsqueeze(-1)).mul_(g_h[s:e]).add_(g_lp_sum[s:e])
-                p.mul_(lp)
-            else:
-                p.mul_(g_lp_sum[s:e])
-            p.neg_()
-            p.scatter_add_(1, ids[s:e], g_lp[s:e])
-            if t != 1.0:
-                p.div_(t)
-            if p_buf is not None:
-                grad[s:e] = p
+            for a in range(s, e, sub):
+                b = min(a + sub, e)
+                lpb = lp[a - s: b - s]
+                p = grad[a:b] if p_buf is None else p_buf[: b - a]
+                torch.exp(lpb, out=p)
+                # grad_j = -p_j * w_j + scatter(g),  w_j = sum_k g_k + g_H * (log p_j + H)
+                if g_h is not None:
+                    lpb.add_(entropy[a:b].unsqueeze(-1)).mul_(g_h[a:b]).add_(g_lp_sum[a:b])
+                    p.mul_(lpb)
+                else:
+                    p.mul_(g_lp_sum[a:b])
+                p.neg_()
+                p.scatter_add_(1, ids[a:b], g_lp[a:b])
+                if t != 1.0:
+                    p.div_(t)
+                if p_buf is not None:
+                    grad[a:b] = p
         return grad, None, None, None, None
 
 

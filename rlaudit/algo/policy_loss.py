@@ -162,7 +162,7 @@ def compute_policy_loss(name: str, *, old_log_prob: torch.Tensor, log_prob: torc
     Returns:
         :class:`PolicyLossOutput` (no reduction here: every field is ``[B, R]``).
     """
-    fn = POLICY_LOSSES.get(name, key="policy_loss")
+    fn = POLICY_LOSSES.get(name, key="name")
     _check("log_prob", log_prob, None)
     for key, t in (("old_log_prob", old_log_prob), ("advantages", advantages), ("mask", mask)):
         _check(key, t, log_prob.shape)

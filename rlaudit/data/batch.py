@@ -295,7 +295,7 @@ class RolloutBatch:
 def pad_dim1(t: torch.Tensor, width: int, value: float | int | bool = 0) -> torch.Tensor:
     """Right-pad ``t`` along dim 1 to ``width`` with ``value`` (a new tensor; ``t`` untouched)."""
     if t.shape[1] == width:
-        return t
+        return t.clone()
     if t.shape[1] > width:
         raise ValueError(f"cannot pad width {t.shape[1]} down to {width}")
     shape = list(t.shape)

@@ -120,8 +120,8 @@ def test_split_property(b, r, seed, cuts, p_valid, norm_len):
         total = sum(agg_loss(loss[idx], mask[idx], mode, denom=whole).item() for idx in parts)
         assert total == pytest.approx(expected, abs=1e-12), mode
     # Per-part denominators add up to the whole batch's.
-    assert functools.reduce(operator.add,
-                            [Denominators.of(mask[idx], norm_len=norm_len) for idx in parts]) == whole
+    per_part = [Denominators.of(mask[idx], norm_len=norm_len) for idx in parts]
+    assert functools.reduce(operator.add, per_part) == whole
 
 
 def test_norm_len_is_a_constant_not_the_part_width():
