@@ -1,0 +1,91 @@
+"""The FSDP backend: the HF model sharded with FSDP2 (``fully_shard`` per decoder layer and at the
+root) over a device mesh of ``dp`` ranks, replaying every variant inside one spawned group.
+
+The update step is rlaudit's shared one (rlaudit/update): this module only says how to shard a
+module. FSDP2 averages gradients over ranks in its reduce-scatter; the shared TorchContext
+multiplies each loss contribution by the DP size so the accumulated gradient is the gradient of
+the whole mini-batch loss (contributions are already divided by global counts).
+
+Layout: ``{"dp": N}``. Device: CPU/gloo here, CUDA/NCCL on GPU machines (same code). dtype:
+float32/float64 parameters, or bfloat16 mixed precision (fp32 master weights, bf16 compute,
+fp32 gradient reduction) — meant for GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlaudit.backends.base import ReplayRequest, VariantRun
+from rlaudit.backends.launch import launch
+from rlaudit.backends.reference import torch_roles
+from rlaudit.backends.replay import replay_variant
+
+
+def _decoder_layers(module: torch.nn.Module):
+    """The transformer blocks of an HF causal LM or of rlaudit's ValueModel."""
+    body = getattr(module, "model", None) or getattr(module, "backbone", None)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise TypeError(f"cannot find decoder layers in {type(module).__name__}")
+    return list(layers)
+
+
+def make_wrap(mesh, dtype: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = None
+    if dtype == "bfloat16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def wrap(module: torch.nn.Module) -> torch.nn.Module:
+        kw = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
+        for layer in _decoder_layers(module):
+            fully_shard(layer, **kw)
+        fully_shard(module, **kw)
+        return module
+
+    return wrap
+
+
+def _rank_main(info, request: ReplayRequest) -> dict[str, VariantRun]:
+    """Runs in every rank: replay each variant with FSDP2-wrapped models."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    # mixed precision keeps fp32 master weights; the policy casts compute to bf16
+    param_dtype = "float32" if request.dtype == "bfloat16" else request.dtype
+    wrap = make_wrap(mesh, request.dtype)
+    out = {}
+    for variant in request.variants:
+        torch.manual_seed(variant.config.trainer.seed)
+        out[variant.name] = replay_variant(
+            lambda v: torch_roles(request.model, v, dtype=param_dtype, device=str(info.device),
+                                  wrap=wrap, distributed=True, ref_model_path=request.ref_model),
+            variant)
+    return out
+
+
+class FSDPBackend:
+    name = "fsdp"
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError as e:
+            return False, f"torch has no FSDP2 (fully_shard): {e}"
+        import torch.distributed as dist
+        if not dist.is_available():
+            return False, "torch.distributed is not available"
+        return True, ""
+
+    def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
+        dp = int(request.layout.get("dp", 1))
+        per_rank = launch(_rank_main, dp, args=(request,), device=request.device,
+                          timeout=request.timeout)
+        runs = per_rank[0]
+        for name, run in runs.items():
+            # every rank's micro-batch log, step by step (rank order)
+            run.micro_log = [[r[name].micro_log[step][0] for r in per_rank]
+                             for step in range(len(run.micro_log))]
+            run.info["layout"] = {"dp": dp}
+        return runs

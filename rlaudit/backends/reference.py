@@ -1,0 +1,82 @@
+"""The reference backend: the reference trainer's models in this process, one rank.
+
+It is the oracle other backends are compared against. Its own independence comes from the tests
+of rlaudit.algo against naive loops and hand-worked numbers, and from the invariants.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
+from rlaudit.backends.replay import replay_variant
+from rlaudit.model.critic import ValueModel
+from rlaudit.model.load import load_model, load_tokenizer
+from rlaudit.update.context import TorchContext, build_optimizer
+from rlaudit.update.step import Roles, needs_ref
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_model(model_path: str, dtype: str, device: str):
+    return load_model(model_path, dtype=DTYPES[dtype], device=device)
+
+
+def _load_cached(model_path: str, dtype: str, device: str):
+    """A fresh copy of the snapshot's model (loading once per process: variants reuse it)."""
+    return copy.deepcopy(_cached_model(model_path, dtype, device))
+
+
+@functools.lru_cache(maxsize=4)
+def _pad_id(model_path: str) -> int:
+    return int(load_tokenizer(model_path).pad_token_id or 0)
+
+
+def torch_roles(model_path: str, variant: Variant, *, dtype: str, device: str,
+                wrap=lambda module: module, distributed: bool = False, group=None,
+                ref_model_path: str | None = None) -> Roles:
+    """Actor (+ reference, + critic for GAE) TorchContexts from a snapshot. ``wrap`` shards a
+    module (FSDP2) or returns it unchanged (reference)."""
+    cfg = variant.config
+    dev = torch.device(device)
+    pad = _pad_id(model_path)
+    base = _load_cached(model_path, dtype, device)
+    actor_model = wrap(copy.deepcopy(base))
+    actor = TorchContext(actor_model, build_optimizer(actor_model.parameters(), cfg.actor.optim),
+                         device=dev, distributed=distributed, group=group, pad_id=pad)
+    ref = None
+    if needs_ref(cfg):
+        ref_model = (copy.deepcopy(base) if ref_model_path is None else
+                     _load_cached(ref_model_path, dtype, device)).eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+        ref = TorchContext(wrap(ref_model), None, device=dev, distributed=distributed, group=group,
+                           pad_id=pad)
+    critic = None
+    if cfg.use_critic:
+        critic_model = wrap(ValueModel(copy.deepcopy(base), seed=cfg.trainer.seed))
+        critic = TorchContext(critic_model, build_optimizer(critic_model.parameters(),
+                                                            cfg.critic.optim),
+                              device=dev, distributed=distributed, group=group, pad_id=pad)
+    return Roles(actor=actor, ref=ref, critic=critic)
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
+        out = {}
+        for variant in request.variants:
+            torch.manual_seed(variant.config.trainer.seed)
+            out[variant.name] = replay_variant(
+                lambda v: torch_roles(request.model, v, dtype=request.dtype, device=request.device,
+                                      ref_model_path=request.ref_model),
+                variant)
+        return out

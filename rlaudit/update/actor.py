@@ -1,0 +1,195 @@
+"""The actor: log-prob computation and the policy update, written once for every backend.
+
+``actor_loss`` assembles the loss of one micro-batch from the config (policy loss, entropy bonus,
+KL loss, rollout-KL loss, distillation) as a *contribution* divided by the global denominators of
+the mini-batch; contributions sum over micro-batches and data-parallel ranks to the loss of the
+whole mini-batch, which is what one process would compute on it (so micro-batch size, token
+budget, padding micro-batches and DP size cannot change the result).
+
+Entropy (SEEDS.md §1): computed when ``calculate_entropy`` or ``entropy_coeff != 0``; whenever
+computed it is reported as ``actor/entropy``; it enters the loss only when ``entropy_coeff != 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+
+from rlaudit.algo.agg import Denominators, agg_loss
+from rlaudit.algo.distill import DISTILL_LOSSES
+from rlaudit.algo.kl import kl_penalty
+from rlaudit.algo.policy_loss import compute_policy_loss
+from rlaudit.algo.rollout_corr import rollout_kl_loss_mat
+from rlaudit.config import Config
+from rlaudit.data.batch import RolloutBatch
+from rlaudit.data.batching import split_minibatches
+from rlaudit.errors import InputError
+from rlaudit.update.context import ForwardSpec, ParallelContext
+from rlaudit.update.plan import plan_micro, rank_shard
+from rlaudit.update.stats import MetricAccumulator
+
+
+def required_actor_fields(cfg: Config) -> list[str]:
+    """Fields the actor update reads, so a missing one fails before any forward pass (SkyRL PR
+    #1811: a missing rollout_log_probs raised inside the distributed backward)."""
+    act = cfg.actor
+    need = ["old_log_probs", "advantages"]
+    if act.use_kl_loss:
+        need.append("ref_log_probs")
+    if act.rollout_correction.use_rollout_kl_loss:
+        need.append("rollout_log_probs")
+    if act.rollout_correction.rollout_is is not None:
+        need.append("rollout_is_weights")
+    if act.distill.enable:
+        need += (["teacher_topk_ids", "teacher_topk_log_probs"]
+                 if act.distill.loss_type == "forward_kl_topk" else ["teacher_log_probs"])
+    return need
+
+
+def check_fields(batch: RolloutBatch, need: list[str], what: str) -> None:
+    missing = [f for f in need if f not in batch]
+    if missing:
+        raise InputError(f"{what} needs field(s) {missing} that the batch does not have "
+                         f"(it has: {sorted(batch.keys())})", key=missing[0])
+
+
+def actor_forward_spec(cfg: Config, *, for_update: bool) -> ForwardSpec:
+    topk = ("teacher_topk_ids" if for_update and cfg.actor.distill.enable
+            and cfg.actor.distill.loss_type == "forward_kl_topk" else None)
+    return ForwardSpec(kind="logprobs", temperature=cfg.rollout.temperature,
+                       calc_entropy=cfg.compute_entropy, chunk_size=cfg.actor.logprob_chunk_size,
+                       topk_field=topk)
+
+
+def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominators
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss contribution of one micro-batch and its metric contributions (catalogue names).
+
+    Denominators: pg/entropy/KL terms use ``actor.loss_agg_mode`` with the mini-batch's global
+    ``denom``; clip fractions and ppo_kl are token-means over the mini-batch's valid tokens.
+    """
+    act = cfg.actor
+    mask = micro.mask
+    mode = act.loss_agg_mode
+    logp = out["log_probs"]
+    low = act.clip_ratio if act.clip_ratio_low is None else act.clip_ratio_low
+    high = act.clip_ratio if act.clip_ratio_high is None else act.clip_ratio_high
+    pol = compute_policy_loss(act.loss_mode, old_log_prob=micro["old_log_probs"], log_prob=logp,
+                              advantages=micro["advantages"], mask=mask, clip_ratio_low=low,
+                              clip_ratio_high=high, clip_ratio_c=act.clip_ratio_c)
+    loss_mat = pol.loss_mat
+    if act.rollout_correction.rollout_is is not None:
+        loss_mat = loss_mat * micro["rollout_is_weights"]
+    pg_loss = agg_loss(loss_mat, mask, mode, denom)
+    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=denom)
+    stats = {
+        "actor/pg_loss": pg_loss,
+        "actor/pg_clipfrac": tok(pol.clipped.to(logp.dtype)),
+        "actor/pg_clipfrac_lower": tok(pol.clipped_lower.to(logp.dtype)),
+        "actor/ppo_kl": tok(pol.ppo_kl_mat),
+    }
+    loss = pg_loss
+    if cfg.compute_entropy:
+        entropy = agg_loss(out["entropy"], mask, mode, denom)
+        stats["actor/entropy"] = entropy
+        if act.entropy_coeff != 0:
+            loss = loss - act.entropy_coeff * entropy
+    if act.use_kl_loss:
+        ref = torch.where(mask, micro["ref_log_probs"], logp.detach())  # no NaN/inf from padding
+        kl = agg_loss(kl_penalty(logp, ref, act.kl_loss_type), mask, mode, denom)
+        stats["actor/kl_loss"] = kl
+        loss = loss + act.kl_loss_coef * kl
+    rc = act.rollout_correction
+    if rc.use_rollout_kl_loss:
+        rkl = agg_loss(rollout_kl_loss_mat(logp, micro["rollout_log_probs"],
+                                           rc.rollout_kl_loss_type, mask=mask), mask, mode, denom)
+        stats["actor/rollout_kl"] = rkl
+        loss = loss + rc.rollout_kl_loss_coef * rkl
+    if act.distill.enable:
+        fn = DISTILL_LOSSES.get(act.distill.loss_type)
+        if act.distill.loss_type == "forward_kl_topk":
+            mat = fn(out["topk_log_probs"], micro["teacher_topk_log_probs"], mask)
+        else:
+            mat = fn(logp, micro["teacher_log_probs"], mask)
+        dl = agg_loss(mat, mask, mode, denom)
+        stats["actor/distill_loss"] = dl
+        loss = loss + act.distill.coef * dl
+    stats["actor/loss"] = loss
+    return loss, stats
+
+
+def compute_log_probs(ctx: ParallelContext, batch: RolloutBatch, cfg: Config, *,
+                      calc_entropy: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward-only log-probs (and entropy) of every row of ``batch``: [B, R] each, gathered from
+    all data-parallel ranks, 0 where the token does not exist."""
+    spec = actor_forward_spec(cfg, for_update=False)
+    if calc_entropy is not None:
+        spec = ForwardSpec(kind=spec.kind, temperature=spec.temperature, calc_entropy=calc_entropy,
+                           chunk_size=spec.chunk_size)
+    return _forward_rows(ctx, batch, cfg, spec, ("log_probs", "entropy"))
+
+
+def _forward_rows(ctx, batch, cfg, spec, keys):
+    """Run a no-grad forward over the whole batch split across ranks; reassemble rows in order."""
+    idx = torch.arange(len(batch))
+    rows = batch.with_fields(kinds={"_row": "seq"}, _row=idx)
+    shard = rank_shard(ctx, rows, balance=False)
+    plan = plan_micro(ctx, shard, micro_batch_size=cfg.actor.ppo_micro_batch_size_per_gpu,
+                      use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
+                      max_token_len=cfg.actor.ppo_max_token_len_per_gpu,
+                      norm_len=float(batch.response_width))
+    results = ctx.forward_backward(plan.micros[: plan.num_real], spec, None)
+    out = []
+    for key in keys:
+        parts = [r["outputs"][key] for r in results if key in r["outputs"]]
+        if not parts:
+            out.append(None)
+            continue
+        local = torch.cat(parts, 0) if parts else None
+        local_rows = torch.cat([m["_row"] for m in plan.micros[: plan.num_real]], 0)
+        gathered = ctx.all_gather_rows(local)
+        gathered_rows = ctx.all_gather_rows(local_rows.to(local.device))
+        full = torch.zeros((len(batch), *local.shape[1:]), dtype=local.dtype)
+        full[torch.cat(gathered_rows).cpu()] = torch.cat(gathered).cpu()
+        out.append(full)
+    return tuple(out)
+
+
+def update_actor(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dict[str, float]:
+    """One actor update on ``batch`` (every rank passes the same whole batch): ``ppo_epochs`` x
+    mini-batches of ``ppo_mini_batch_size * rollout.n`` rows, each one optimizer step.
+
+    Returns metrics (catalogue names): loss terms are per-mini-batch global values averaged over
+    the optimizer steps; grad_norm is the pre-clip norm averaged over optimizer steps."""
+    act = cfg.actor
+    check_fields(batch, required_actor_fields(cfg), "the actor update")
+    spec = actor_forward_spec(cfg, for_update=True)
+    mb_rows = act.ppo_mini_batch_size * cfg.rollout.n
+    norm_len = float(act.loss_scale_factor or batch.response_width)
+    acc = MetricAccumulator()
+    for epoch in range(act.ppo_epochs):
+        minibatches = split_minibatches(batch, min(mb_rows, len(batch)), shuffle=act.shuffle,
+                                        seed=cfg.trainer.seed + epoch)
+        for mb in minibatches:
+            shard = rank_shard(ctx, mb, balance=cfg.trainer.balance_batch)
+            plan = plan_micro(ctx, shard, micro_batch_size=act.ppo_micro_batch_size_per_gpu,
+                              use_dynamic_bsz=act.use_dynamic_bsz,
+                              max_token_len=act.ppo_max_token_len_per_gpu, norm_len=norm_len,
+                              extra_padding=cfg.trainer.extra_padding_microbatches)
+            ctx.zero_grad()
+            results = ctx.forward_backward(plan.micros, spec,
+                                           partial(actor_loss, cfg=cfg, denom=plan.denom))
+            step_stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
+            grad_norm = ctx.grad_norm_and_clip(act.grad_clip)
+            if math.isfinite(grad_norm):
+                ctx.optimizer_step()
+            step_stats["actor/grad_norm"] = grad_norm
+            step_stats["actor/lr"] = ctx.lr
+            step_stats["actor/num_microbatches"] = float(len(plan.micros))
+            if act.use_kl_loss:
+                step_stats["actor/kl_coef"] = act.kl_loss_coef
+            acc.add_step(step_stats)
+    return acc.mean()

@@ -1,0 +1,74 @@
+"""The critic: value computation and the clipped value-loss update, written once for every backend.
+
+Same cutting and reduction rules as the actor (rlaudit/update/actor.py): global mini-batches,
+this rank's shard, micro-batches plus padding micro-batches, loss contributions divided by the
+mini-batch's global denominators (``critic.loss_agg_mode``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+
+from rlaudit.algo.agg import Denominators, agg_loss
+from rlaudit.algo.value_loss import value_loss
+from rlaudit.config import Config
+from rlaudit.data.batch import RolloutBatch
+from rlaudit.data.batching import split_minibatches
+from rlaudit.update.actor import _forward_rows, check_fields
+from rlaudit.update.context import ForwardSpec, ParallelContext
+from rlaudit.update.plan import plan_micro, rank_shard
+from rlaudit.update.stats import MetricAccumulator
+
+VALUE_SPEC = ForwardSpec(kind="values")
+
+
+def critic_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominators
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), aggregated with critic.loss_agg_mode;
+    vf_clipfrac and vpred_mean are token-means over the mini-batch's valid tokens."""
+    mask = micro.mask
+    vpreds = out["values"]
+    loss_mat, clipped = value_loss(vpreds, micro["values"], micro["returns"], mask,
+                                   cliprange_value=cfg.critic.cliprange_value)
+    loss = agg_loss(loss_mat, mask, cfg.critic.loss_agg_mode, denom)
+    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=denom)
+    return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": tok(clipped.to(vpreds.dtype)),
+                  "critic/vpred_mean": tok(vpreds)}
+
+
+def compute_values(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """Forward-only values [B, R] of every row, gathered from all ranks (0 past each response)."""
+    (values,) = _forward_rows(ctx, batch, cfg, VALUE_SPEC, ("values",))
+    return values
+
+
+def update_critic(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dict[str, float]:
+    """One critic update: ``critic.ppo_epochs`` x mini-batches (``actor.ppo_mini_batch_size *
+    rollout.n`` rows, as in verl), each one optimizer step."""
+    crit = cfg.critic
+    check_fields(batch, ["values", "returns"], "the critic update")
+    mb_rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    norm_len = float(cfg.actor.loss_scale_factor or batch.response_width)
+    acc = MetricAccumulator()
+    for epoch in range(crit.ppo_epochs):
+        for mb in split_minibatches(batch, min(mb_rows, len(batch)), shuffle=cfg.actor.shuffle,
+                                    seed=cfg.trainer.seed + epoch):
+            shard = rank_shard(ctx, mb, balance=cfg.trainer.balance_batch)
+            plan = plan_micro(ctx, shard, micro_batch_size=crit.ppo_micro_batch_size_per_gpu,
+                              use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
+                              max_token_len=cfg.actor.ppo_max_token_len_per_gpu, norm_len=norm_len,
+                              extra_padding=cfg.trainer.extra_padding_microbatches)
+            ctx.zero_grad()
+            results = ctx.forward_backward(plan.micros, VALUE_SPEC,
+                                           partial(critic_loss, cfg=cfg, denom=plan.denom))
+            stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
+            grad_norm = ctx.grad_norm_and_clip(crit.grad_clip)
+            if math.isfinite(grad_norm):
+                ctx.optimizer_step()
+            stats["critic/grad_norm"] = grad_norm
+            stats["critic/lr"] = ctx.lr
+            acc.add_step(stats)
+    return acc.mean()
