@@ -1,4 +1,100 @@
 """pytest plugin (registered through the ``pytest11`` entry point): scenarios as test items.
 
-Kept import-light: heavy modules are imported only when scenarios are collected.
+    pytest scenarios/                          every scenario file, one item per scenario x backend
+    pytest scenarios/ -n auto                  in parallel (pytest-xdist)
+    pytest scenarios/seed_entropy_coeff_zero.yaml --rlaudit-backend fsdp
+    pytest scenarios/ --rlaudit-bless          regenerate goldens (items fail: review the diff)
+
+A YAML file is collected when it has a top-level ``invariants`` key (a scenario); item ids read
+``scenarios/<file>.yaml::<scenario>[<backend>]``. An item runs the scenario on its backend (plus
+the reference backend, which parity checks compare against) and fails with the invariant table.
+
+Kept import-light: nothing heavy is imported until a scenario file is collected.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("rlaudit", "rlaudit scenarios")
+    group.addoption("--rlaudit-backend", action="append", default=None, metavar="NAME",
+                    help="only items for this backend (repeatable)")
+    group.addoption("--rlaudit-golden-dir", default="golden", metavar="DIR",
+                    help="golden files directory (default: %(default)s)")
+    group.addoption("--rlaudit-bless", action="store_true",
+                    help="regenerate golden files from this run (items still fail)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "rlaudit_scenario: an rlaudit scenario item")
+
+
+def _is_scenario(path: Path) -> bool:
+    if path.suffix not in (".yaml", ".yml") or {"models", "rollouts"} & set(path.parts):
+        return False
+    try:
+        import yaml
+        data = yaml.safe_load(path.read_text())
+    except Exception:
+        return False
+    return isinstance(data, dict) and "invariants" in data
+
+
+def pytest_collect_file(file_path: Path, parent):
+    if _is_scenario(Path(file_path)):
+        return ScenarioFile.from_parent(parent, path=file_path)
+    return None
+
+
+class ScenarioFile(pytest.File):
+    def collect(self):
+        from rlaudit.scenarios.spec import load_scenario
+        scn = load_scenario(self.path)
+        wanted = self.config.getoption("rlaudit_backend")
+        for backend in scn.backends:
+            if wanted and backend not in wanted:
+                continue
+            yield ScenarioItem.from_parent(self, name=f"{scn.name}[{backend}]", scenario=scn,
+                                           backend=backend)
+
+
+class ScenarioFailed(Exception):
+    pass
+
+
+class ScenarioItem(pytest.Item):
+    def __init__(self, *, scenario, backend, **kw):
+        super().__init__(**kw)
+        self.scenario = scenario
+        self.backend = backend
+        self.add_marker(pytest.mark.rlaudit_scenario)
+
+    def runtest(self):
+        from rlaudit.backends.registry import get_backend
+        from rlaudit.report.console import render_result
+        from rlaudit.scenarios.engine import run_scenario
+        ok, why = get_backend(self.backend).available()
+        if not ok:
+            pytest.skip(f"backend {self.backend} unavailable: {why}")
+        backends = ["reference"] if self.backend == "reference" else ["reference", self.backend]
+        res = run_scenario(self.scenario, backends=backends,
+                           golden_dir=self.config.getoption("rlaudit_golden_dir"),
+                           bless=self.config.getoption("rlaudit_bless"))
+        # the reference backend's own item reports its checks; this item reports its backend's
+        res.checks = [c for c in res.checks if c.backend in (self.backend, "*")
+                      or (self.backend == "reference")]
+        res.golden = [g for g in res.golden if g.backend == self.backend]
+        if not res.passed:
+            raise ScenarioFailed(render_result(res))
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, ScenarioFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self):
+        return self.path, 0, f"scenario {self.name}"

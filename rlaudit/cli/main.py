@@ -1,0 +1,71 @@
+"""The ``rlaudit`` command: a root group, one module per subcommand, no math here.
+
+    rlaudit list                       scenarios, backends, invariants
+    rlaudit run SCENARIO... | --all    replay, check invariants and goldens, log to MLflow
+    rlaudit golden bless|calibrate     regenerate goldens explicitly / propose tolerances
+    rlaudit train CONFIG               the reference trainer
+    rlaudit record ...                 write a fixed rollout (reference sampler or vLLM)
+    rlaudit report                     drift across logged runs (terminal, Markdown, HTML)
+
+Exit codes: 0 ok, 1 a check failed, 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import rlaudit
+from rlaudit.errors import EXIT_BAD_INPUT, RlauditError
+
+#: subcommand -> module (each has add_parser(subparsers) and run(args) -> int)
+COMMANDS = {
+    "list": "rlaudit.cli.list_cmd",
+    "run": "rlaudit.cli.run",
+    "golden": "rlaudit.cli.golden",
+    "train": "rlaudit.cli.train",
+    "record": "rlaudit.cli.record",
+    "report": "rlaudit.cli.report",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # usage errors exit 2, as argparse does, with our prefix
+        self.print_usage(sys.stderr)
+        print(f"rlaudit: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rlaudit", description="Correctness-regression and metric-audit harness "
+                     "for LLM RL post-training.")
+    parser.add_argument("--version", action="version", version=f"rlaudit {rlaudit.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, module in COMMANDS.items():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        return int(args.func(args))
+    except RlauditError as e:
+        print(f"rlaudit: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("rlaudit: interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

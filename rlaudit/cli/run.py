@@ -1,0 +1,100 @@
+"""``rlaudit run``: replay scenarios on their backends, check invariants and goldens, log to MLflow.
+
+    rlaudit run seed_entropy_coeff_zero --backend fsdp
+    rlaudit run --all --json
+    rlaudit run --target mypkg.audit:Adapter
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, env_default, resolve_scenarios
+from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="replay scenarios, check invariants and goldens")
+    p.add_argument("scenarios", nargs="*", help="scenario names or files")
+    p.add_argument("--all", action="store_true", help="every scenario under --scenarios-dir")
+    p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
+                   help="run only this backend (repeatable; default: each scenario's own)")
+    p.add_argument("--target", metavar="MODULE:ADAPTER",
+                   help="audit your own trainer through an adapter (see docs/targets.md)")
+    p.add_argument("--json", action="store_true", help="print results as JSON on stdout")
+    p.add_argument("--bless", action="store_true", help=argparse_bless_help())
+    add_location_args(p)
+    p.add_argument("--report-dir", default=env_default("RLAUDIT_REPORTS", DEFAULT_REPORTS),
+                   help="where the run report and the embedded MLflow store go "
+                        "(default: %(default)s)")
+    p.add_argument("--tracking-uri", default=None,
+                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else a sqlite store "
+                        "under --report-dir)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="override every scenario's device (nightly GPU job: cuda)")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds a multi-rank backend may take per scenario (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def argparse_bless_help() -> str:
+    return "regenerate the goldens from this run (the run still exits 1: review the diff)"
+
+
+def run(args) -> int:
+    if args.target:
+        from rlaudit.targets.runner import run_target
+        results = run_target(args.target, scenario_names=args.scenarios, all_=args.all,
+                             scenarios_dir=args.scenarios_dir)
+    else:
+        from rlaudit.scenarios.engine import run_scenario
+        from rlaudit.scenarios.spec import load_scenario
+        paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
+        scenarios = [load_scenario(p) for p in paths]  # validate every file before running any
+        for scn in scenarios:
+            if args.device:
+                scn.device = args.device
+        results = []
+        for scn in scenarios:
+            if not args.json:
+                print(f"running {scn.name} ...", file=sys.stderr, flush=True)
+            res = run_scenario(scn, backends=args.backends, golden_dir=args.golden_dir,
+                               bless=args.bless, timeout=args.timeout)
+            results.append(res)
+            if not args.json:
+                from rlaudit.report.console import render_result
+                print(render_result(res), flush=True)
+                print(flush=True)
+    _report(results, args)
+    if args.json:
+        json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
+        print()
+    else:
+        from rlaudit.report.console import render_summary
+        print(render_summary(results))
+    return EXIT_OK if results and all(r.passed for r in results) else EXIT_CHECK_FAILED
+
+
+def _report(results, args) -> None:
+    """Local report and MLflow logging; neither may lose the audit result if it fails."""
+    report_dir = Path(args.report_dir)
+    try:
+        from rlaudit.report.run_report import write_run_report
+        paths = write_run_report(results, report_dir)
+        print(f"report: {paths[0]}", file=sys.stderr)
+    except ImportError:
+        pass
+    except Exception as e:  # the audit result stands; say what was not written
+        print(f"rlaudit: warning: could not write the local report: {e}", file=sys.stderr)
+    if args.no_mlflow:
+        return
+    try:
+        from rlaudit.report.mlflow_log import log_invocation
+    except ImportError as e:
+        print(f"rlaudit: warning: MLflow logging unavailable ({e})", file=sys.stderr)
+        return
+    outcome = log_invocation(results, tracking_uri=args.tracking_uri, report_dir=report_dir)
+    print(f"rlaudit: {outcome.message}", file=sys.stderr)

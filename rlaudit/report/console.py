@@ -1,0 +1,64 @@
+"""Plain-text rendering of scenario results: the table ``rlaudit run`` prints."""
+
+from __future__ import annotations
+
+from rlaudit.scenarios.result import ScenarioResult
+
+SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR"}
+GOLDEN_SYMBOL = {"pass": "pass", "fail": "FAIL", "stale": "STALE", "missing": "none",
+                 "blessed": "BLESSED"}
+
+
+def _cell(statuses: list[str]) -> str:
+    for s in ("error", "fail", "pass", "n/a"):
+        if s in statuses:
+            return SYMBOL[s]
+    return "-"
+
+
+def render_result(res: ScenarioResult) -> str:
+    """One scenario: a row per invariant, a column per backend, worst drift, then failures."""
+    backends = res.backends
+    rows = []
+    invs = list(dict.fromkeys(c.invariant for c in res.checks))
+    for inv in invs:
+        cells, drift = [], None
+        for b in backends:
+            cs = [c for c in res.checks if c.invariant == inv and c.backend in (b, "*")]
+            cells.append(_cell([c.status for c in cs]))
+            for c in cs:
+                if c.drift is not None:
+                    drift = max(drift or 0.0, c.drift)
+        rows.append([inv, *cells, "" if drift is None else f"{drift:.1e}"])
+    if res.golden:
+        cells = []
+        for b in backends:
+            g = [x for x in res.golden if x.backend == b]
+            cells.append(GOLDEN_SYMBOL.get(g[0].status, g[0].status) if g else "-")
+        worst = max((g.worst_drift or 0.0 for g in res.golden), default=0.0)
+        rows.append(["golden", *cells, f"{worst:.1e}" if worst else ""])
+    header = ["invariant", *backends, "worst drift"]
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    verdict = "PASSED" if res.passed else "FAILED"
+    out = [f"{res.scenario}: {verdict} ({res.seconds:.1f}s)", line(header),
+           line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    problems = [c for c in res.checks if c.status in ("fail", "error")]
+    for c in problems:
+        out.append(f"  {SYMBOL[c.status]} {c.invariant} [{c.backend}]: {c.message}")
+    for g in res.golden:
+        if g.status in ("fail", "stale", "blessed"):
+            out.append(f"  golden {GOLDEN_SYMBOL[g.status]} [{g.backend}]: {g.message}")
+    for b, err in res.errors.items():
+        out.append(f"  backend {b} crashed:\n" + "\n".join("    " + ln for ln in err.splitlines()[-15:]))
+    return "\n".join(out)
+
+
+def render_summary(results: list[ScenarioResult]) -> str:
+    passed = sum(r.passed for r in results)
+    lines = [f"{passed}/{len(results)} scenarios passed"]
+    for r in results:
+        if not r.passed:
+            lines.append(f"  FAILED {r.scenario}")
+    return "\n".join(lines)

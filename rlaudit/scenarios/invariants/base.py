@@ -1,0 +1,131 @@
+"""The invariant registry and the context invariants read.
+
+An invariant has a name, a family (ARCHITECTURE.md's ten), a docstring with the math, a
+``variants`` hook that asks for the extra runs it needs (re-cut batch, permuted rows, a flipped
+flag, ...), and a ``check`` that turns the runs of every backend into CheckResults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rlaudit.algo.registry import Registry
+from rlaudit.backends.base import Variant, VariantRun
+from rlaudit.config import Config, from_dict, to_dict
+from rlaudit.data.batch import RolloutBatch
+from rlaudit.scenarios.result import FAIL, NA, PASS, CheckResult
+from rlaudit.scenarios.spec import Scenario, Tolerance
+
+
+@dataclass
+class CheckContext:
+    scenario: Scenario
+    batch: RolloutBatch                               # the baseline batch
+    runs: dict[str, dict[str, VariantRun]]            # backend -> variant name -> run
+    errors: dict[str, str] = field(default_factory=dict)
+    variants: list[Variant] = field(default_factory=list)
+
+    def backends(self) -> list[str]:
+        return list(self.runs)
+
+    def run(self, backend: str, variant: str = "base") -> VariantRun | None:
+        return self.runs.get(backend, {}).get(variant)
+
+
+@dataclass
+class Invariant:
+    name: str
+    family: str
+    check: Callable[[CheckContext], list[CheckResult]]
+    variants: Callable[[Scenario, RolloutBatch], list[Variant]] = lambda scn, batch: []
+    doc: str = ""
+
+
+INVARIANTS: Registry = Registry("invariant")
+
+
+def invariant(name: str, family: str, *, variants=None):
+    """Register ``check`` (whose docstring is the invariant's documentation)."""
+
+    def deco(check):
+        inv = Invariant(name=name, family=family, check=check,
+                        variants=variants or (lambda scn, batch: []),
+                        doc=(check.__doc__ or "").strip())
+        INVARIANTS.register(name)(inv)
+        return check
+
+    return deco
+
+
+# ---- helpers shared by invariant modules ------------------------------------------------------
+
+def with_overrides(cfg: Config, **dotted) -> Config:
+    """A copy of ``cfg`` with dotted keys replaced: with_overrides(cfg, **{"actor.entropy_coeff": 0})."""
+    data = to_dict(cfg)
+    for key, value in dotted.items():
+        node = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node[p]
+        node[parts[-1]] = value
+    return from_dict(Config, data)
+
+
+def base_variant(scn: Scenario, batch: RolloutBatch, name: str, *, steps: int = 1,
+                 **overrides) -> Variant:
+    cfg = with_overrides(scn.config, **overrides) if overrides else dataclasses.replace(scn.config)
+    return Variant(name=name, config=cfg, batch=batch, steps=steps)
+
+
+def rel_diff(got: torch.Tensor | float, want: torch.Tensor | float) -> float:
+    """max |got - want| / max(|want|, tiny) over elements."""
+    got = torch.as_tensor(got, dtype=torch.float64)
+    want = torch.as_tensor(want, dtype=torch.float64)
+    if got.numel() == 0:
+        return 0.0
+    return float(((got - want).abs() / want.abs().clamp_min(1e-12)).max())
+
+
+def compare_tensors(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tolerance,
+                    mask: torch.Tensor | None = None, *, top: int = 3) -> tuple[bool, str, dict]:
+    """Elementwise |got - want| <= atol + rtol*|want| where ``mask``; message names the worst
+    (row, token) entries."""
+    got = got.double()
+    want = want.double()
+    if got.shape != want.shape:
+        return False, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}", {}
+    if mask is None:
+        mask = torch.ones_like(got, dtype=torch.bool)
+    mask = mask.bool()
+    err = (got - want).abs()
+    bound = tol.atol + tol.rtol * want.abs()
+    excess = torch.where(mask, err - bound, torch.full_like(err, -float("inf")))
+    bad = excess > 0
+    worst_abs = float(torch.where(mask, err, torch.zeros_like(err)).max()) if got.numel() else 0.0
+    details = {"max_abs_diff": worst_abs}
+    if not bool(bad.any()):
+        return True, f"{name}: max |diff| {worst_abs:.3g}", details
+    flat = excess.flatten()
+    idx = torch.topk(flat, min(top, int(bad.sum()))).indices
+    worst = []
+    for i in idx.tolist():
+        pos = list(torch.unravel_index(torch.tensor(i), got.shape))
+        pos = [int(p) for p in pos]
+        worst.append({"index": pos, "got": float(got.flatten()[i]), "want": float(want.flatten()[i])})
+    details["worst"] = worst
+    w = worst[0]
+    return False, (f"{name}: {int(bad.sum())} entries out of tolerance (rtol={tol.rtol:g}, "
+                   f"atol={tol.atol:g}); worst at {w['index']}: {w['got']:.6g} vs {w['want']:.6g}"
+                   ), details
+
+
+def result(inv: str, backend: str, ok: bool, message: str, details=None, drift=None) -> CheckResult:
+    return CheckResult(inv, backend, PASS if ok else FAIL, message, details or {}, drift)
+
+
+def not_applicable(inv: str, backend: str, why: str) -> CheckResult:
+    return CheckResult(inv, backend, NA, why)

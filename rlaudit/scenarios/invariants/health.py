@@ -1,0 +1,97 @@
+"""Sanity bounds (family 8), rollout parity (family 7) and distributed health (family 10)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlaudit.metrics import CATALOGUE
+from rlaudit.scenarios.invariants.base import (CheckContext, compare_tensors, invariant,
+                                               not_applicable, result)
+from rlaudit.scenarios.spec import Tolerance
+
+#: slack for bounds checks on values that are exact in theory (fractions, entropy >= 0)
+BOUND_SLACK = 1e-9
+
+
+@invariant("sanity-bounds", "sanity")
+def sanity_bounds(ctx: CheckContext):
+    """Every logged metric is catalogued, finite and inside its catalogue bounds (fractions in
+    [0, 1], entropy >= 0, k3 KL >= 0, grad norms >= 0, ...), in every variant and step; per-token
+    entropy is >= 0 on valid tokens."""
+    out = []
+    mask = ctx.batch.mask
+    for b in ctx.backends():
+        problems = []
+        for vname, run in ctx.runs[b].items():
+            for step, metrics in enumerate(run.steps):
+                for name, value in metrics.items():
+                    spec = CATALOGUE.get(name)
+                    if spec is None:
+                        problems.append(f"{vname} step {step}: metric {name!r} is not in the "
+                                        f"catalogue")
+                    elif not math.isfinite(value):
+                        problems.append(f"{vname} step {step}: {name} = {value}")
+                    elif not spec.low - BOUND_SLACK <= value <= spec.high + BOUND_SLACK:
+                        problems.append(f"{vname} step {step}: {name} = {value:.6g} outside "
+                                        f"[{spec.low}, {spec.high}]")
+            ent = run.tokens.get("probe_entropy")
+            if ent is not None and ent.shape == mask.shape:
+                low = float(torch.where(mask, ent.double(), torch.zeros((), dtype=torch.float64)).min())
+                if low < -BOUND_SLACK:
+                    problems.append(f"{vname}: per-token entropy {low:.3g} < 0")
+        out.append(result("sanity-bounds", b, not problems, "; ".join(problems[:3]) +
+                          (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+                          if problems else "all metrics catalogued, finite and in bounds"))
+    return out
+
+
+#: default sampling-vs-training log-prob tolerance by the engine that recorded the rollout
+ROLLOUT_TOLERANCES = {"vllm": Tolerance(0.0, 5e-3), "reference": Tolerance(0.0, 1e-4)}
+
+
+@invariant("rollout-parity", "rollout")
+def rollout_parity(ctx: CheckContext):
+    """The sampling engine's log-probs (``rollout_log_probs``, recorded with the rollout) match
+    the trainer's recomputation with the same weights and temperature on every valid token:
+    a mismatch means the engine and trainer disagree about the policy (temperature applied twice,
+    wrong logprobs mode, different weights, numerics)."""
+    out = []
+    if "rollout_log_probs" not in ctx.batch:
+        return [not_applicable("rollout-parity", b, "rollout has no rollout_log_probs")
+                for b in ctx.backends()]
+    engine = str(ctx.batch.meta.get("engine", "reference"))
+    scn = ctx.scenario
+    tol = (scn.tolerances.get("rollout_log_probs")
+           or ROLLOUT_TOLERANCES.get(engine, ROLLOUT_TOLERANCES["vllm"]))
+    for b in ctx.backends():
+        run = ctx.run(b)
+        ok, msg, det = compare_tensors("rollout_log_probs vs trainer", ctx.batch["rollout_log_probs"],
+                                       run.tokens["probe_log_probs"], tol, ctx.batch.mask)
+        out.append(result("rollout-parity", b, ok, f"engine {engine}: {msg}", det,
+                          drift=det.get("max_abs_diff")))
+    return out
+
+
+@invariant("distributed-health", "distributed")
+def distributed_health(ctx: CheckContext):
+    """Every rank runs the same number of forward/backward passes in every optimizer step of
+    every variant (padding micro-batches make up the difference), so no collective can
+    desynchronise; a rank that raised or died is reported with its traceback by the launcher."""
+    out = []
+    for b in ctx.backends():
+        problems, ranks_seen = [], 1
+        for vname, run in ctx.runs[b].items():
+            for step, ranks in enumerate(run.micro_log):
+                ranks_seen = max(ranks_seen, len(ranks))
+                counts = [[len(m) for m in r] for r in ranks]
+                if any(c != counts[0] for c in counts):
+                    problems.append(f"{vname} step {step}: micro-batches per optimizer step differ "
+                                    f"across ranks: {counts}")
+        if ranks_seen == 1 and not problems:
+            out.append(not_applicable("distributed-health", b, "one rank"))
+            continue
+        out.append(result("distributed-health", b, not problems, "; ".join(problems[:3]) or
+                          f"{ranks_seen} ranks ran equally many passes in every optimizer step"))
+    return out

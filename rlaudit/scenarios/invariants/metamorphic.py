@@ -1,0 +1,178 @@
+"""Metamorphic relations (family 3) and no-mutation (family 2): results do not depend on how a
+batch is cut, on row order, on padding, or on values under a zero mask; stages never change their
+inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from rlaudit.data.transforms import append_padding, permute_rows_within_blocks, perturb_masked
+from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
+                                               not_applicable, result)
+from rlaudit.scenarios.invariants.compare import compare_runs
+
+
+def _mb_rows(scn, batch) -> int:
+    return min(scn.config.actor.ppo_mini_batch_size * scn.config.rollout.n, len(batch))
+
+
+#: the baseline the metamorphic variants compare with: the scenario's config, at most 2 steps
+SHORT_BASE = "base:short"
+
+
+def _base(scn, batch, name=None):
+    return base_variant(scn, batch, SHORT_BASE, steps=min(scn.steps, 2))
+
+
+def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, *,
+                        base: str = SHORT_BASE, **kw):
+    out = []
+    for b in ctx.backends():
+        got, want = ctx.run(b, variant), ctx.run(b, base)
+        if got is None or want is None:
+            out.append(not_applicable(name, b, "variant did not run"))
+            continue
+        c = compare_runs(ctx.scenario, got, want, mask=ctx.batch.mask, label=label, **kw)
+        out.append(result(name, b, c.ok, c.message, c.details, c.drift))
+    return out
+
+
+# ---- micro-batch invariance ------------------------------------------------------------------
+
+def _micro_variants(scn, batch):
+    steps = min(scn.steps, 2)
+    longest = int(batch.sequence_lengths().max())
+    return [_base(scn, batch, "microbatch-invariance"),
+            base_variant(scn, batch, "microbatch:1", steps=steps,
+                         **{"actor.ppo_micro_batch_size_per_gpu": 1, "actor.use_dynamic_bsz": False,
+                            "critic.ppo_micro_batch_size_per_gpu": 1}),
+            base_variant(scn, batch, "microbatch:all", steps=steps,
+                         **{"actor.ppo_micro_batch_size_per_gpu": _mb_rows(scn, batch),
+                            "actor.use_dynamic_bsz": False,
+                            "critic.ppo_micro_batch_size_per_gpu": _mb_rows(scn, batch)}),
+            base_variant(scn, batch, "microbatch:tokens", steps=steps,
+                         **{"actor.use_dynamic_bsz": True,
+                            "actor.ppo_max_token_len_per_gpu": max(longest, 2 * longest - 3)})]
+
+
+@invariant("microbatch-invariance", "metamorphic", variants=_micro_variants)
+def microbatch_invariance(ctx: CheckContext):
+    """Cutting each mini-batch into micro-batches of 1 row, of all its rows, or by a token budget
+    (use_dynamic_bsz) gives the same metrics, per-token log-probs/entropy and updated parameters
+    as the scenario's own cut: losses are normalised by global (mini-batch) denominators, never
+    per micro-batch."""
+    out = []
+    for v in ("microbatch:1", "microbatch:all", "microbatch:tokens"):
+        for r in _check_against_base(ctx, "microbatch-invariance", v, v):
+            out.append(r)
+    return _merge(out)
+
+
+# ---- batch invariance ------------------------------------------------------------------------
+
+@invariant("batch-invariance", "metamorphic", variants=_micro_variants)
+def batch_invariance(ctx: CheckContext):
+    """A row's log-probs and entropy do not depend on which other rows share its micro-batch:
+    the initial policy's per-token outputs with one row per micro-batch equal those with the
+    whole mini-batch in one micro-batch."""
+    out = []
+    for b in ctx.backends():
+        one, whole = ctx.run(b, "microbatch:1"), ctx.run(b, "microbatch:all")
+        c = compare_runs(ctx.scenario, one, whole, mask=ctx.batch.mask, metrics=[], params=False,
+                         tokens=("probe_log_probs", "probe_entropy", "old_log_probs"),
+                         metric_names_equal=False, label="1 row vs all rows per micro-batch")
+        out.append(result("batch-invariance", b, c.ok, c.message, c.details, c.drift))
+    return out
+
+
+# ---- row permutation -------------------------------------------------------------------------
+
+def _perm_variants(scn, batch):
+    permuted, perm = permute_rows_within_blocks(batch, _mb_rows(scn, batch), seed=1234)
+    v = base_variant(scn, permuted, "permutation", steps=min(scn.steps, 2))
+    v.batch = permuted
+    return [_base(scn, batch, "row-permutation"), v]
+
+
+@invariant("row-permutation", "metamorphic", variants=_perm_variants)
+def row_permutation(ctx: CheckContext):
+    """Shuffling rows (within each mini-batch, so optimizer steps see the same rows) permutes
+    every per-token output the same way and changes no metric or updated parameter: advantages
+    are grouped by uid, not by position."""
+    scn = ctx.scenario
+    _, perm = permute_rows_within_blocks(ctx.batch, _mb_rows(scn, ctx.batch), seed=1234)
+    return _check_against_base(ctx, "row-permutation", "permutation", "rows permuted",
+                               row_map=perm)
+
+
+# ---- padding appended ------------------------------------------------------------------------
+
+def _padcol_variants(scn, batch):
+    wide = append_padding(batch, prompt_cols=2, response_cols=3)
+    extra = {}
+    if scn.config.actor.loss_scale_factor is None:
+        # seq-mean-token-sum-norm divides by R by definition; pin it so both runs use one constant
+        extra["actor.loss_scale_factor"] = float(batch.response_width)
+    base = base_variant(scn, batch, "padding-appended:base", steps=min(scn.steps, 2), **extra)
+    v = base_variant(scn, wide, "padding:columns", steps=min(scn.steps, 2), **extra)
+    v.batch = wide
+    return [base, v]
+
+
+@invariant("padding-appended", "metamorphic", variants=_padcol_variants)
+def padding_appended(ctx: CheckContext):
+    """Appending padding columns to prompts and responses (wider P and R, same tokens) changes
+    no metric, per-token output (on the original columns) or updated parameter."""
+    return _check_against_base(ctx, "padding-appended", "padding:columns", "padding appended",
+                               base="padding-appended:base", width=ctx.batch.response_width)
+
+
+# ---- values under a zero mask ----------------------------------------------------------------
+
+def _masked_variants(scn, batch):
+    v = base_variant(scn, perturb_masked(batch, seed=99), "masked:garbage", steps=min(scn.steps, 2))
+    v.batch = perturb_masked(batch, seed=99)
+    return [_base(scn, batch, "masked-values"), v]
+
+
+@invariant("masked-values", "metamorphic", variants=_masked_variants)
+def masked_values(ctx: CheckContext):
+    """Overwriting every value no computation may read (prompt/response ids past their lengths,
+    float per-token fields where response_mask is False) changes no metric, valid per-token output
+    or updated parameter."""
+    return _check_against_base(ctx, "masked-values", "masked:garbage", "garbage under mask")
+
+
+# ---- no input mutation -----------------------------------------------------------------------
+
+@invariant("no-input-mutation", "no-mutation")
+def no_input_mutation(ctx: CheckContext):
+    """No stage of a step changes the batch it was handed: every tensor of every variant's input
+    batch is bit-identical, with an unchanged version counter, after the run."""
+    out = []
+    for b in ctx.backends():
+        bad = [name for name, run in ctx.runs[b].items() if not run.inputs_unchanged]
+        out.append(result("no-input-mutation", b, not bad,
+                          f"input batch modified in place in variant(s) {bad}" if bad else
+                          f"{len(ctx.runs[b])} variant inputs unchanged"))
+    return out
+
+
+def _merge(results):
+    """One result per backend: fail if any part failed, messages joined."""
+    by_backend = {}
+    for r in results:
+        prev = by_backend.get(r.backend)
+        if prev is None:
+            by_backend[r.backend] = r
+            continue
+        if prev.status == "pass" and r.status != "pass":
+            by_backend[r.backend] = r
+        elif prev.status == r.status == "fail":
+            prev.message += "; " + r.message
+        prev = by_backend[r.backend]
+        prev.drift = max(prev.drift or 0.0, r.drift or 0.0)
+    return list(by_backend.values())
+
+
+__all__ = ["torch"]

@@ -1,0 +1,35 @@
+"""Naive, loop-based re-implementations the invariants compare against.
+
+Deliberately written differently from rlaudit.algo (Python loops over rows and tokens, float64),
+so an invariant that uses them does not share a bug with the code under test.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def naive_agg(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
+              norm_len: float | None = None) -> float:
+    """Whole-batch aggregation by loops (docs/internals.md table). ``norm_len`` defaults to R."""
+    x = loss_mat.double().tolist()
+    m = mask.bool().tolist()
+    rows = [[v for v, keep in zip(xr, mr) if keep] for xr, mr in zip(x, m)]
+    rows_nonempty = [r for r in rows if r]
+    if mode == "token-mean":
+        n = sum(len(r) for r in rows)
+        return sum(sum(r) for r in rows) / n if n else 0.0
+    if not rows_nonempty:
+        return 0.0
+    if mode == "seq-mean-token-sum":
+        return sum(sum(r) for r in rows_nonempty) / len(rows_nonempty)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows_nonempty) / len(rows_nonempty)
+    if mode == "seq-mean-token-sum-norm":
+        length = float(norm_len if norm_len is not None else loss_mat.shape[-1])
+        return sum(sum(r) for r in rows_nonempty) / (len(rows_nonempty) * length)
+    raise ValueError(f"unknown aggregation mode {mode!r}")
+
+
+def naive_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return naive_agg(x, mask, "token-mean")

@@ -1,0 +1,73 @@
+"""Results of checking a scenario: one CheckResult per invariant x backend, golden comparisons,
+and the ScenarioResult that the CLI table, JSON output, pytest plugin and MLflow report read."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PASS, FAIL, NA, ERROR = "pass", "fail", "n/a", "error"
+
+
+@dataclass
+class CheckResult:
+    """status: pass | fail | n/a (the check does not apply: a stage not provided, one backend
+    only for a parity check, ...) | error (the check itself could not run: a backend crashed).
+
+    message: one line; for failures it names the metric/tensor, value, bound, step and backend.
+    details: worst rows/tokens and figures (JSON-able).
+    drift: the largest relative deviation this check saw (for the "worst drift" column)."""
+
+    invariant: str
+    backend: str
+    status: str
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    drift: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (PASS, NA)
+
+
+@dataclass
+class GoldenResult:
+    backend: str
+    status: str                      # pass | fail | stale | missing | blessed
+    message: str = ""
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    worst_drift: float | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """Every compared (step, metric): value, golden, rtol, atol, drift, ok."""
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    path: str
+    backends: list[str]
+    checks: list[CheckResult] = field(default_factory=list)
+    golden: list[GoldenResult] = field(default_factory=list)
+    metrics: dict[str, list[dict[str, float]]] = field(default_factory=dict)   # backend -> steps
+    errors: dict[str, str] = field(default_factory=dict)                       # backend -> error
+    seconds: float = 0.0
+    config: dict[str, Any] = field(default_factory=dict)          # flattened scenario config
+    layouts: dict[str, dict[str, int]] = field(default_factory=dict)   # backend -> layout
+    dtype: str = ""
+    device: str = ""
+    tags: list[str] = field(default_factory=list)
+    provenance: dict[str, Any] = field(default_factory=dict)      # model/rollout sha, versions
+    runs: dict[str, Any] = field(default_factory=dict, repr=False)
+    """backend -> variant -> VariantRun (in-memory only: per-token tensors for diff artifacts)."""
+
+    @property
+    def passed(self) -> bool:
+        return (all(c.ok for c in self.checks) and not self.errors
+                and all(g.status in ("pass", "missing") for g in self.golden))
+
+    def to_json(self) -> dict[str, Any]:
+        runs, self.runs = self.runs, {}
+        try:
+            return asdict(self) | {"passed": self.passed}
+        finally:
+            self.runs = runs

@@ -1,0 +1,217 @@
+"""Scenario files: what to replay, on which backends, checked by which invariants.
+
+A scenario is a YAML file under ``scenarios/``::
+
+    description: entropy is logged when entropy_coeff is 0 but calculate_entropy is on (verl #6016)
+    model: models/qwen2-tiny                 # HF snapshot, relative to this file
+    ref_model: models/qwen2-tiny-ref         # optional reference policy (default: the model)
+    rollout: rollouts/qwen2-digits.safetensors
+    steps: 2                                 # training steps replayed on the fixed rollout
+    dtype: float64                           # float32 | float64 | bfloat16
+    config:                                  # the rlaudit.config tree (verl key names)
+      actor: {entropy_coeff: 0.0, calculate_entropy: true, optim: {name: sgd, lr: 0.1}}
+    backends:                                # name -> layout
+      reference: {}
+      fsdp: {dp: 2}
+      megatron: {tp: 2, pp: 1, dp: 1}
+    invariants: [entropy-logged-when-coeff-zero, backend-parity, microbatch-invariance]
+    tolerances:                              # optional; per metric/tensor name, or "default"
+      default: {rtol: 1.0e-6, atol: 1.0e-9}
+      actor/grad_norm: {rtol: 1.0e-5}
+    tags: [seed]
+
+Everything is validated on load: unknown keys, bad values, unknown backends/invariants, missing
+files are :class:`InputError` naming the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlaudit.config import Config, load_config
+from rlaudit.errors import InputError
+
+TOP_KEYS = {"name", "description", "model", "ref_model", "rollout", "steps", "dtype", "config", "backends",
+            "invariants", "tolerances", "tags", "device"}
+BACKEND_LAYOUT_KEYS = {"reference": set(), "fsdp": {"dp"}, "megatron": {"tp", "pp", "dp"}}
+DTYPES = ("float32", "float64", "bfloat16")
+
+#: default comparison tolerances by compute dtype (what parity/golden checks use unless a
+#: scenario says otherwise). fp64 on CPU is near-exact; fp32 leaves room for reduction order.
+DEFAULT_TOLERANCES = {
+    "float64": {"rtol": 1e-7, "atol": 1e-9},
+    "float32": {"rtol": 1e-4, "atol": 1e-5},
+    "bfloat16": {"rtol": 2e-2, "atol": 2e-2},
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+    def close(self, got: float, want: float) -> bool:
+        return abs(got - want) <= self.atol + self.rtol * abs(want)
+
+
+@dataclass
+class Scenario:
+    name: str
+    path: Path
+    description: str
+    model: Path
+    rollout: Path
+    config: Config
+    backends: dict[str, dict[str, int]]
+    invariants: list[str]
+    steps: int = 1
+    dtype: str = "float64"
+    device: str = "cpu"
+    tolerances: dict[str, Tolerance] = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
+    ref_model: Path | None = None
+    """Reference policy snapshot (default: the initial actor, so KL starts at 0)."""
+
+    def tol(self, name: str) -> Tolerance:
+        """Tolerance for a metric or tensor name: exact entry, else "default", else by dtype."""
+        if name in self.tolerances:
+            return self.tolerances[name]
+        if "default" in self.tolerances:
+            return self.tolerances["default"]
+        d = DEFAULT_TOLERANCES[self.dtype]
+        return Tolerance(d["rtol"], d["atol"])
+
+
+def _expect(cond: bool, msg: str, source: str, key: str) -> None:
+    if not cond:
+        raise InputError(msg, source=source, key=key)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    src = str(path)
+    if not path.exists():
+        raise InputError("scenario file does not exist", source=src)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise InputError(f"not valid YAML: {e}", source=src) from None
+    return scenario_from_dict(data, path=path)
+
+
+def scenario_from_dict(data: Any, *, path: Path) -> Scenario:
+    src = str(path)
+    _expect(isinstance(data, dict), "expected a mapping at the top level", src, "")
+    unknown = sorted(set(data) - TOP_KEYS)
+    _expect(not unknown, f"unknown key; valid keys: {', '.join(sorted(TOP_KEYS))}", src,
+            unknown[0] if unknown else "")
+    for key in ("model", "rollout", "invariants"):
+        _expect(key in data, "required key is missing", src, key)
+    base = path.parent
+    model = _resolve(base, data["model"], src, "model")
+    _expect((model / "config.json").exists(), f"{model} is not a model snapshot (no config.json)",
+            src, "model")
+    ref_model = None
+    if data.get("ref_model") is not None:
+        ref_model = _resolve(base, data["ref_model"], src, "ref_model")
+        _expect((ref_model / "config.json").exists(),
+                f"{ref_model} is not a model snapshot (no config.json)", src, "ref_model")
+    rollout = _resolve(base, data["rollout"], src, "rollout")
+    _expect(rollout.exists(), f"rollout file {rollout} does not exist", src, "rollout")
+
+    steps = data.get("steps", 1)
+    _expect(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1,
+            f"expected an integer >= 1, got {steps!r}", src, "steps")
+    dtype = data.get("dtype", "float64")
+    _expect(dtype in DTYPES, f"expected one of {list(DTYPES)}, got {dtype!r}", src, "dtype")
+    device = data.get("device", "cpu")
+    _expect(device in ("cpu", "cuda"), f"expected cpu or cuda, got {device!r}", src, "device")
+
+    cfg_data = dict(data.get("config") or {})
+    cfg_data.setdefault("trainer", {})
+    _expect(isinstance(cfg_data["trainer"], dict), "expected a mapping", src, "config.trainer")
+    cfg_data["trainer"] = {**cfg_data["trainer"], "dtype": dtype}
+    config = load_config(cfg_data, source=src, prefix="config.")
+
+    backends = _backends(data.get("backends", {"reference": {}}), src)
+    invariants = _invariants(data["invariants"], src)
+    tolerances = _tolerances(data.get("tolerances", {}), src)
+    tags = data.get("tags", [])
+    _expect(isinstance(tags, list) and all(isinstance(t, str) for t in tags),
+            "expected a list of strings", src, "tags")
+    desc = data.get("description", "")
+    _expect(isinstance(desc, str), "expected a string", src, "description")
+    name = data.get("name", path.stem)
+    _expect(isinstance(name, str) and name, "expected a non-empty string", src, "name")
+    return Scenario(name=name, path=path, description=desc.strip(), model=model,
+                    ref_model=ref_model, rollout=rollout,
+                    config=config, backends=backends, invariants=invariants, steps=steps,
+                    dtype=dtype, device=device, tolerances=tolerances, tags=tags)
+
+
+def _resolve(base: Path, value: Any, src: str, key: str) -> Path:
+    _expect(isinstance(value, str) and value, "expected a path string", src, key)
+    p = Path(value)
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def _backends(value: Any, src: str) -> dict[str, dict[str, int]]:
+    _expect(isinstance(value, dict) and value, "expected a non-empty mapping backend -> layout",
+            src, "backends")
+    out = {}
+    for name, layout in value.items():
+        key = f"backends.{name}"
+        _expect(name in BACKEND_LAYOUT_KEYS,
+                f"unknown backend; valid: {', '.join(sorted(BACKEND_LAYOUT_KEYS))}", src, key)
+        layout = layout or {}
+        _expect(isinstance(layout, dict), "expected a mapping of layout sizes", src, key)
+        for k, v in layout.items():
+            _expect(k in BACKEND_LAYOUT_KEYS[name],
+                    f"unknown layout key; valid for {name}: "
+                    f"{', '.join(sorted(BACKEND_LAYOUT_KEYS[name])) or 'none'}", src, f"{key}.{k}")
+            _expect(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                    f"expected an integer >= 1, got {v!r}", src, f"{key}.{k}")
+        out[name] = {k: int(v) for k, v in layout.items()}
+    return out
+
+
+def _invariants(value: Any, src: str) -> list[str]:
+    _expect(isinstance(value, list) and value and all(isinstance(v, str) for v in value),
+            "expected a non-empty list of invariant names", src, "invariants")
+    from rlaudit.scenarios.invariants import INVARIANTS
+    for i, name in enumerate(value):
+        INVARIANTS.get(name, source=src, key=f"invariants[{i}]")
+    return list(dict.fromkeys(value))
+
+
+def _tolerances(value: Any, src: str) -> dict[str, Tolerance]:
+    _expect(isinstance(value, dict), "expected a mapping name -> {rtol, atol}", src, "tolerances")
+    out = {}
+    for name, tol in value.items():
+        key = f"tolerances.{name}"
+        _expect(isinstance(tol, dict) and set(tol) <= {"rtol", "atol"} and tol,
+                "expected a mapping with rtol and/or atol", src, key)
+        vals = {}
+        for k in ("rtol", "atol"):
+            v = tol.get(k, 0.0)
+            if isinstance(v, str):
+                try:
+                    v = float(v)
+                except ValueError:
+                    pass
+            _expect(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                    f"expected a number >= 0, got {v!r}", src, f"{key}.{k}")
+            vals[k] = float(v)
+        out[name] = Tolerance(**vals)
+    return out
+
+
+def discover(root: str | Path) -> list[Path]:
+    """Scenario files under ``root`` (``*.yaml`` not inside models/ or rollouts/), sorted."""
+    root = Path(root)
+    return sorted(p for p in root.rglob("*.yaml")
+                  if not {"models", "rollouts"} & set(p.relative_to(root).parts[:-1]))
