@@ -51,6 +51,7 @@ def replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
     if record_params:
         run.params_initial = _flat(roles.actor.full_parameters())
     logp, ent = compute_log_probs(roles.actor, batch, cfg, calc_entropy=True)
+    run.tokens["response_mask"] = batch.mask.clone()
     run.tokens["probe_log_probs"] = logp
     run.tokens["probe_entropy"] = ent
     logged = 0

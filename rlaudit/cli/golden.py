@@ -10,7 +10,7 @@ import json
 import sys
 
 from rlaudit.cli.common import add_location_args, resolve_scenarios
-from rlaudit.errors import EXIT_CHECK_FAILED
+from rlaudit.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 
 
 def add_parser(sub) -> None:
@@ -61,7 +61,7 @@ def calibrate(args) -> int:
         if not gp.exists():
             print(f"rlaudit: no golden {gp} to write tolerances into; bless it first",
                   file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         write_json_atomic(gp, apply_tolerances(json.loads(gp.read_text()), proposed))
         print(f"wrote tolerances into {gp}", file=sys.stderr)
     return 0

@@ -81,6 +81,7 @@ def run(args) -> int:
 def _report(results, args) -> None:
     """Local report and MLflow logging; neither may lose the audit result if it fails."""
     report_dir = Path(args.report_dir)
+    paths = None
     try:
         from rlaudit.report.run_report import write_run_report
         paths = write_run_report(results, report_dir)
@@ -96,5 +97,6 @@ def _report(results, args) -> None:
     except ImportError as e:
         print(f"rlaudit: warning: MLflow logging unavailable ({e})", file=sys.stderr)
         return
-    outcome = log_invocation(results, tracking_uri=args.tracking_uri, report_dir=report_dir)
+    outcome = log_invocation(results, tracking_uri=args.tracking_uri, report_dir=report_dir,
+                             report_files=paths)
     print(f"rlaudit: {outcome.message}", file=sys.stderr)

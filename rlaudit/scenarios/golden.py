@@ -88,6 +88,7 @@ def write_json_atomic(path: Path, doc: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; goldens are ordinary committed files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

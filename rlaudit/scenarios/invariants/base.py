@@ -33,7 +33,27 @@ class CheckContext:
         return list(self.runs)
 
     def run(self, backend: str, variant: str = "base") -> VariantRun | None:
-        return self.runs.get(backend, {}).get(variant)
+        """The run, or None when the backend did not run it or could not (``info["unsupported"]``:
+        e.g. a critic on a backend without one)."""
+        run = self.runs.get(backend, {}).get(variant)
+        if run is None or run.info.get("unsupported"):
+            return None
+        return run
+
+    def need(self, invariant: str, backend: str, *variants: str
+             ) -> tuple[list[VariantRun] | None, CheckResult | None]:
+        """(runs, None) when every variant ran on ``backend``, else (None, an n/a result saying
+        which did not and why)."""
+        runs = [self.run(backend, v) for v in variants]
+        if all(r is not None for r in runs):
+            return runs, None
+        why = []
+        for v, r in zip(variants, runs):
+            if r is None:
+                raw = self.runs.get(backend, {}).get(v)
+                reason = raw.info.get("unsupported") if raw is not None else "not run"
+                why.append(f"{v}: {reason}")
+        return None, not_applicable(invariant, backend, "; ".join(why))
 
 
 @dataclass

@@ -38,6 +38,13 @@ class Comparison:
         return self.failures[0] + more
 
 
+def drift(got: float, want: float, tol) -> float:
+    """Relative deviation, with values smaller than the scale where ``atol`` dominates
+    (atol / rtol) measured against that scale: a 1e-17 loss that is 3e-17 is not "200% off"."""
+    scale = max(abs(want), tol.atol / tol.rtol if tol.rtol > 0 else 0.0, 1e-300)
+    return abs(got - want) / scale
+
+
 def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torch.Tensor,
                  row_map: torch.Tensor | None = None, metrics: list[str] | None = None,
                  tokens: tuple[str, ...] = COMPARED_TOKENS, params: bool = True,
@@ -67,7 +74,7 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
                 c.fail(f"{pre}step {step}: metric {name} missing")
                 continue
             tol = scn.tol(name)
-            c.drift = max(c.drift, abs(g[name] - w[name]) / max(abs(w[name]), 1e-12))
+            c.drift = max(c.drift, drift(g[name], w[name], tol))
             if not tol.close(g[name], w[name]):
                 c.fail(f"{pre}step {step}: {name} = {g[name]:.10g}, expected {w[name]:.10g} "
                        f"(rtol={tol.rtol:g}, atol={tol.atol:g})", metric=name, step=step,

@@ -55,7 +55,11 @@ def on_policy_identities(ctx: CheckContext):
     cfg = _cfg(ctx, "onpolicy")
     mask = ctx.batch.mask
     for b in ctx.backends():
-        run = ctx.run(b, "onpolicy")
+        runs, na = ctx.need("on-policy-identities", b, "onpolicy")
+        if na:
+            out.append(na)
+            continue
+        run = runs[0]
         m = run.steps[0]
         problems = []
 
@@ -112,9 +116,14 @@ def config_effect(ctx: CheckContext):
     out = []
     scn = ctx.scenario
     mask = ctx.batch.mask
+    names = ["cfg:entropy0", "cfg:entropy", "cfg:kl0", "cfg:kl"] + [f"cfg:agg:{m}" for m in AGG_MODES]
     for b in ctx.backends():
         problems = []
-        e0, e = ctx.run(b, "cfg:entropy0").steps[0], ctx.run(b, "cfg:entropy").steps[0]
+        runs, na = ctx.need("config-effect", b, *names)
+        if na:
+            out.append(na)
+            continue
+        e0, e = runs[0].steps[0], runs[1].steps[0]
         if "actor/entropy" not in e:
             problems.append("entropy_coeff = 0.01: actor/entropy not logged")
         else:
@@ -122,7 +131,7 @@ def config_effect(ctx: CheckContext):
             if not scn.tol("actor/loss").close(e["actor/loss"], want):
                 problems.append(f"entropy_coeff = 0.01: actor/loss = {e['actor/loss']:.10g}, "
                                 f"expected loss(coeff 0) - 0.01 * entropy = {want:.10g}")
-        k0, k = ctx.run(b, "cfg:kl0").steps[0], ctx.run(b, "cfg:kl").steps[0]
+        k0, k = runs[2].steps[0], runs[3].steps[0]
         if "actor/kl_loss" not in k:
             problems.append("use_kl_loss: actor/kl_loss not logged")
         else:
@@ -171,7 +180,11 @@ def grad_norm_identity(ctx: CheckContext):
     scn = ctx.scenario
     tol = scn.tol("actor/grad_norm")
     for b in ctx.backends():
-        noclip, clip = ctx.run(b, "gradnorm:noclip"), ctx.run(b, "gradnorm:clip")
+        runs, na = ctx.need("grad-norm-identity", b, "gradnorm:noclip", "gradnorm:clip")
+        if na:
+            out.append(na)
+            continue
+        noclip, clip = runs
         if noclip.params_initial is None or not noclip.params:
             out.append(not_applicable("grad-norm-identity", b, "parameters not recorded "
                                       "(model too large)"))

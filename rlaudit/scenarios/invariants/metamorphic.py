@@ -28,10 +28,11 @@ def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, 
                         base: str = SHORT_BASE, **kw):
     out = []
     for b in ctx.backends():
-        got, want = ctx.run(b, variant), ctx.run(b, base)
-        if got is None or want is None:
-            out.append(not_applicable(name, b, "variant did not run"))
+        runs, na = ctx.need(name, b, variant, base)
+        if na:
+            out.append(na)
             continue
+        got, want = runs
         c = compare_runs(ctx.scenario, got, want, mask=ctx.batch.mask, label=label, **kw)
         out.append(result(name, b, c.ok, c.message, c.details, c.drift))
     return out
@@ -77,7 +78,11 @@ def batch_invariance(ctx: CheckContext):
     whole mini-batch in one micro-batch."""
     out = []
     for b in ctx.backends():
-        one, whole = ctx.run(b, "microbatch:1"), ctx.run(b, "microbatch:all")
+        runs, na = ctx.need("batch-invariance", b, "microbatch:1", "microbatch:all")
+        if na:
+            out.append(na)
+            continue
+        one, whole = runs
         c = compare_runs(ctx.scenario, one, whole, mask=ctx.batch.mask, metrics=[], params=False,
                          tokens=("probe_log_probs", "probe_entropy", "old_log_probs"),
                          metric_names_equal=False, label="1 row vs all rows per micro-batch")

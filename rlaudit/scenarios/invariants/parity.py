@@ -22,7 +22,8 @@ def _parity(ctx: CheckContext, name: str, backends: list[str]):
             out.append(not_applicable(name, b, "the reference backend did not run"))
             continue
         failures, drift, details = [], 0.0, {}
-        common = [v for v in ctx.runs[b] if v in oracle]
+        common = [v for v in ctx.runs[b]
+                  if ctx.run(b, v) is not None and ctx.run(ORACLE, v) is not None]
         for v in common:
             c = compare_runs(ctx.scenario, ctx.runs[b][v], oracle[v], mask=ctx.batch.mask,
                              label=f"variant {v}")

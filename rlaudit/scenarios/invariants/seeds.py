@@ -40,7 +40,11 @@ def entropy_logged(ctx: CheckContext):
     scn = ctx.scenario
     mask = ctx.batch.mask
     for b in ctx.backends():
-        calc, off = ctx.run(b, "entropy:calc"), ctx.run(b, "entropy:off")
+        runs, na = ctx.need("entropy-logged-when-coeff-zero", b, "entropy:calc", "entropy:off")
+        if na:
+            out.append(na)
+            continue
+        calc, off = runs
         m = calc.steps[0]
         if "actor/entropy" not in m:
             out.append(result("entropy-logged-when-coeff-zero", b, False,
@@ -85,7 +89,11 @@ def stored_kl_unaltered(ctx: CheckContext):
     mask = ctx.batch.mask
     alg = scn.config.algorithm
     for b in ctx.backends():
-        run = ctx.run(b, "kl-in-reward")
+        runs, na = ctx.need("stored-kl-unaltered", b, "kl-in-reward")
+        if na:
+            out.append(na)
+            continue
+        run = runs[0]
         t = run.tokens
         if "kl" not in t:
             out.append(result("stored-kl-unaltered", b, False, "no stored KL tensor after a step "
@@ -134,7 +142,11 @@ def padding_complete(ctx: CheckContext):
     token_fields = set(ctx.batch.fields_of(Kind.TOKEN))
     for b in ctx.backends():
         problems = []
-        extra = ctx.run(b, "padding:extra")
+        runs, na = ctx.need("padding-microbatches-complete", b, "padding:extra", "padding:none")
+        if na:
+            out.append(na)
+            continue
+        extra, none_ = runs
         seen_padding = 0
         for run in ctx.runs[b].values():
             for step, ranks in enumerate(run.micro_log):
@@ -160,7 +172,7 @@ def padding_complete(ctx: CheckContext):
         if not seen_padding and extra.micro_log:
             problems.append("no padding micro-batch was run although two were requested per "
                             "optimizer step")
-        same = compare_runs(scn, extra, ctx.run(b, "padding:none"), mask=ctx.batch.mask,
+        same = compare_runs(scn, extra, none_, mask=ctx.batch.mask,
                             label="with 2 padding micro-batches vs none")
         if not same.ok:
             problems.append(same.message)

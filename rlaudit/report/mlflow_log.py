@@ -1,0 +1,413 @@
+"""Log one ``rlaudit run`` invocation to MLflow: a parent run, a child run per scenario x backend.
+
+Parent run (tag ``rlaudit.kind=invocation``): the invocation's report (report.html, report.md,
+plots/*.png) and results.json as artifacts; metrics ``scenarios_total``/``scenarios_passed``.
+Child run (tag ``rlaudit.kind=scenario``, ``mlflow.parentRunId``):
+
+- params: the flattened scenario config (``actor.entropy_coeff`` ...), ``layout.<dim>``, ``dtype``,
+  ``device``, ``provenance.<name>`` (rlaudit/torch/megatron/vllm/transformers versions, model and
+  rollout sha), ``git_revision`` (``git rev-parse HEAD`` of the working directory, when in a repo);
+- metrics at ``step=i`` for every training step: the catalogue metrics, and from the golden rows
+  ``golden/<m>`` (golden value), ``golden_drift/<m>`` (relative drift), ``golden_rtol/<m>``,
+  ``golden_atol/<m>`` — what ``rlaudit report`` reads back;
+- tags: ``invariant.<name>`` = pass | fail | n/a | error (worst check for this backend),
+  ``invariant.<name>.message`` for failures, ``golden`` = the golden status, ``error`` (crash);
+- artifact ``token_diffs.parquet`` (non-reference backends): per-token tensors minus the
+  reference backend's, long format: variant, tensor, row, token, value, reference, diff.
+
+Where it logs: ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the embedded store
+``sqlite:///<report_dir>/mlflow.db`` with artifacts under ``<report_dir>/mlartifacts``.
+
+MLflow failing (bad URI, server down or hung, permissions) never raises: the outcome says what
+could not be logged. HTTP requests are bounded (timeout and retries) for the call's duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+from rlaudit.scenarios.result import ScenarioResult
+
+EMBEDDED_DB = "mlflow.db"
+EMBEDDED_ARTIFACTS = "mlartifacts"
+DEFAULT_EXPERIMENT = "rlaudit"
+KIND_TAG, INVOCATION, SCENARIO = "rlaudit.kind", "invocation", "scenario"
+#: metric-key prefixes of the golden comparison rows (``golden_drift/actor/pg_loss``)
+GOLDEN_PREFIXES = ("golden", "golden_drift", "golden_rtol", "golden_atol")
+#: SQL stores need an explicit artifact location (a file: tracking store is refused by MLflow 3)
+DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+#: seconds to wait for a TCP connection to an http(s) tracking server before giving up on it
+CONNECT_TIMEOUT_S = 3.0
+#: per-request HTTP timeout and retries while logging (MLflow's defaults, 120 s x 7 retries
+#: with backoff, can hang a CI job for many minutes on a dead server)
+HTTP_TIMEOUT_S = 15
+HTTP_MAX_RETRIES = 2
+HTTP_BACKOFF_FACTOR = 1
+#: MLflow's per-request limits for log_batch
+BATCH_METRICS, BATCH_PARAMS_TAGS = 1000, 100
+#: MLflow's limits on key, param-value and tag-value length
+MAX_KEY, MAX_PARAM_VALUE, MAX_TAG_VALUE = 250, 6000, 8000
+#: cap on token-diff rows per child run (~25 MB of parquet): beyond it variants are left out
+MAX_DIFF_ROWS = 2_000_000
+#: seconds `git rev-parse` may take (a network filesystem can stall)
+GIT_TIMEOUT_S = 5
+
+
+@dataclass
+class LogOutcome:
+    ok: bool
+    message: str
+    parent_run_id: str | None
+    tracking_uri: str
+
+
+# ---- where to log ------------------------------------------------------------------------------
+
+def resolve_tracking_uri(tracking_uri: str | None, report_dir: Path) -> tuple[str, str | None]:
+    """(tracking URI, artifact location for a new experiment or None to let the server decide)."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"sqlite:///{(Path(report_dir) / EMBEDDED_DB).resolve()}"
+    scheme = urlparse(uri).scheme.split("+")[0]
+    artifacts = (Path(report_dir) / EMBEDDED_ARTIFACTS).resolve().as_uri() \
+        if scheme in DB_SCHEMES else None
+    return uri, artifacts
+
+
+def preflight(uri: str) -> None:
+    """Fail fast (OSError) when an http(s) server does not accept connections, or a sqlite
+    store's directory cannot be created."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        with socket.create_connection((parsed.hostname or "localhost", port), CONNECT_TIMEOUT_S):
+            pass
+    elif parsed.scheme == "sqlite" and uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        if str(db) != ":memory:":
+            db.parent.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def bounded_http(*, retries: int = HTTP_MAX_RETRIES) -> Iterator[None]:
+    """For the duration of the block (restored after): bound MLflow's HTTP timeout/retries, and
+    stop it printing "View run at <url>" to stdout (it would corrupt `rlaudit run --json`)."""
+    values = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(HTTP_TIMEOUT_S),
+              "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(retries),
+              "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": str(HTTP_BACKOFF_FACTOR),
+              "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    quiet = [logging.getLogger(n) for n in ("mlflow", "alembic")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:  # migrations of a new sqlite store log a dozen INFO lines
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(quiet, levels):
+            lg.setLevel(lvl)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def git_revision(cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=GIT_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rev = out.stdout.strip()
+    return rev if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{7,64}", rev) else None
+
+
+# ---- what to log -------------------------------------------------------------------------------
+
+def sanitize_key(name: str) -> str:
+    """A valid MLflow key: letters, digits, ``_ - . / space`` (``:`` is refused on Windows, so
+    replaced too), no empty/``.``/``..`` path segments, at most MAX_KEY characters."""
+    key = re.sub(r"[^/\w.\- ]", "_", str(name))
+    key = "/".join(s for s in key.split("/") if s not in ("", ".", ".."))
+    return key[:MAX_KEY] or "_"
+
+
+def backend_status(res: ScenarioResult, backend: str) -> dict[str, str]:
+    """invariant -> worst status of its checks on ``backend`` (checks on ``*`` apply to all)."""
+    out: dict[str, str] = {}
+    order = ("error", "fail", "pass", "n/a")
+    for c in res.checks:
+        if c.backend not in (backend, "*"):
+            continue
+        name = "backend" if c.invariant == "*" else c.invariant
+        prev = out.get(name)
+        if prev is None or order.index(c.status) < order.index(prev):
+            out[name] = c.status
+    return out
+
+
+def child_params(res: ScenarioResult, backend: str, git: str | None) -> dict[str, str]:
+    params: dict[str, Any] = {"scenario": res.scenario, "backend": backend,
+                              "scenario_path": res.path, "dtype": res.dtype, "device": res.device}
+    params.update({f"layout.{k}": v for k, v in res.layouts.get(backend, {}).items()})
+    params.update({f"provenance.{k}": v for k, v in res.provenance.items()})
+    if git:
+        params["git_revision"] = git
+    for k, v in res.config.items():
+        params.setdefault(k, v)
+    return {sanitize_key(k): ("None" if v is None else str(v))[:MAX_PARAM_VALUE]
+            for k, v in params.items()}
+
+
+def child_tags(res: ScenarioResult, backend: str, parent_id: str, git: str | None,
+               extra: dict[str, Any]) -> dict[str, str]:
+    golden = {g.backend: g.status for g in res.golden}
+    tags: dict[str, Any] = {**extra, KIND_TAG: SCENARIO, "mlflow.parentRunId": parent_id,
+                            "rlaudit.invocation": parent_id, "rlaudit.scenario": res.scenario,
+                            "rlaudit.backend": backend, "rlaudit.passed": str(res.passed).lower(),
+                            "rlaudit.tags": ",".join(res.tags),
+                            "golden": golden.get(backend, "none")}
+    if git:
+        tags["mlflow.source.git.commit"] = git
+    for name, status in backend_status(res, backend).items():
+        tags[f"invariant.{name}"] = status
+    for c in res.checks:
+        if c.backend in (backend, "*") and c.status in ("fail", "error") and c.message:
+            name = "backend" if c.invariant == "*" else c.invariant
+            tags[f"invariant.{name}.message"] = c.message
+    if backend in res.errors:
+        tags["error"] = res.errors[backend][-MAX_TAG_VALUE:]
+    return {sanitize_key(k): str(v)[:MAX_TAG_VALUE] for k, v in tags.items()}
+
+
+def child_metrics(res: ScenarioResult, backend: str) -> list[tuple[str, float, int]]:
+    """(key, value, step): per-step metrics, then the golden rows of this backend."""
+    out = []
+    for step, metrics in enumerate(res.metrics.get(backend, [])):
+        out += [(sanitize_key(k), float(v), step) for k, v in metrics.items() if v is not None]
+    for g in res.golden:
+        if g.backend != backend:
+            continue
+        for r in g.rows:
+            m = r["metric"]
+            for prefix, field in zip(GOLDEN_PREFIXES, ("golden", "drift", "rtol", "atol")):
+                if r.get(field) is not None:
+                    out.append((sanitize_key(f"{prefix}/{m}"), float(r[field]), int(r["step"])))
+    return out
+
+
+def reference_backend(res: ScenarioResult) -> str | None:
+    """The backend token diffs are taken against: ``reference`` when it ran, else the first."""
+    ran = [b for b in res.backends if b in res.runs]
+    return "reference" if "reference" in ran else (ran[0] if ran else None)
+
+
+def token_diffs(res: ScenarioResult, backend: str, reference: str, *,
+                max_rows: int = MAX_DIFF_ROWS):
+    """Long DataFrame (variant, tensor, row, token, value, reference, diff = value - reference)
+    over every per-token tensor both backends recorded with the same shape; ``None`` when there
+    is nothing to compare. Returns (frame, truncated: some tensors left out over ``max_rows``)."""
+    import numpy as np
+    import pandas as pd
+    parts, rows, truncated = [], 0, False
+    mine, theirs = res.runs.get(backend, {}), res.runs.get(reference, {})
+    variants = sorted(set(mine) & set(theirs), key=lambda v: (v != "base", v))
+    for variant in variants:
+        mask = theirs[variant].tokens.get("response_mask")
+        for name in sorted(set(mine[variant].tokens) & set(theirs[variant].tokens)):
+            a, b = mine[variant].tokens[name], theirs[variant].tokens[name]
+            if name == "response_mask" or a.shape != b.shape or a.dim() == 0:
+                continue
+            a = a.detach().cpu().double().reshape(a.shape[0], -1).numpy()
+            b = b.detach().cpu().double().reshape(b.shape[0], -1).numpy()
+            if rows + a.size > max_rows:
+                truncated = True
+                continue
+            n_rows, n_tok = a.shape
+            frame = pd.DataFrame({
+                "variant": variant, "tensor": name,
+                "row": np.repeat(np.arange(n_rows, dtype=np.int32), n_tok),
+                "token": np.tile(np.arange(n_tok, dtype=np.int32), n_rows),
+                "value": a.ravel(), "reference": b.ravel(), "diff": (a - b).ravel()})
+            if mask is not None and tuple(mask.shape) == (n_rows, n_tok):
+                frame = frame[mask.reshape(-1).numpy()]  # only real response tokens
+            parts.append(frame)
+            rows += a.size
+    if not parts:
+        return None, truncated
+    df = pd.concat(parts, ignore_index=True)
+    df["variant"] = df["variant"].astype("category")
+    df["tensor"] = df["tensor"].astype("category")
+    return df, truncated
+
+
+def write_frame(df, path_stem: Path) -> Path:
+    """Parquet when pyarrow/fastparquet is installed, else gzip CSV (mlflow-skinny lacks both)."""
+    try:
+        path = path_stem.with_suffix(".parquet")
+        df.to_parquet(path, index=False)
+    except ImportError:
+        path = path_stem.with_suffix(".csv.gz")
+        df.to_csv(path, index=False)
+    return path
+
+
+# ---- logging -----------------------------------------------------------------------------------
+
+class _Progress:
+    """What has been logged so far, for the message when something fails part-way."""
+
+    def __init__(self):
+        self.stage = "connecting"
+        self.parent: str | None = None
+        self.children = 0
+        self.total = 0
+        self.notes: list[str] = []
+
+
+def _experiment_id(client, name: str, artifact_location: str | None) -> str:
+    from mlflow.exceptions import MlflowException
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException:  # created concurrently by another process
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage != "active":
+        raise RuntimeError(f"experiment {name!r} is deleted; restore it (mlflow experiments "
+                           f"restore --experiment-id {exp.experiment_id}) or use another name")
+    return exp.experiment_id
+
+
+def _log_batch(client, run_id: str, *, metrics=(), params=None, tags=None) -> None:
+    from mlflow.entities import Metric, Param, RunTag
+    now = int(time.time() * 1000)
+    ms = [Metric(k, v, now, s) for k, v, s in metrics]
+    for i in range(0, len(ms), BATCH_METRICS):
+        client.log_batch(run_id, metrics=ms[i:i + BATCH_METRICS])
+    for kind, items in ((Param, params or {}), (RunTag, tags or {})):
+        ents = [kind(k, v) for k, v in items.items()]
+        for i in range(0, len(ents), BATCH_PARAMS_TAGS):
+            chunk = ents[i:i + BATCH_PARAMS_TAGS]
+            client.log_batch(run_id, **({"params": chunk} if kind is Param else {"tags": chunk}))
+
+
+def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
+         report_files: list[Path] | None) -> None:
+    from rlaudit.report.run_report import build_run_report
+    prog.stage = "creating the parent run"
+    parent_tags = {**extra_tags, KIND_TAG: INVOCATION,
+                   "rlaudit.passed": str(bool(results) and all(r.passed for r in results)).lower(),
+                   "rlaudit.scenarios": ",".join(r.scenario for r in results)[:MAX_TAG_VALUE]}
+    with contextlib.suppress(Exception):
+        parent_tags["mlflow.user"] = getpass.getuser()
+    if git:
+        parent_tags["mlflow.source.git.commit"] = git
+    name = run_name or time.strftime("rlaudit %Y-%m-%d %H:%M:%S")
+    parent = client.create_run(exp_id, run_name=name,
+                               tags={sanitize_key(k): str(v) for k, v in parent_tags.items()})
+    prog.parent = pid = parent.info.run_id
+    pairs = [(r, b) for r in results for b in r.backends]
+    prog.total = len(pairs)
+    with tempfile.TemporaryDirectory(prefix="rlaudit-mlflow-") as tmp:
+        for res, b in pairs:
+            prog.stage = f"logging {res.scenario} [{b}]"
+            child = client.create_run(exp_id, run_name=f"{res.scenario} [{b}]",
+                                      tags=child_tags(res, b, pid, git, extra_tags))
+            cid = child.info.run_id
+            _log_batch(client, cid, metrics=child_metrics(res, b),
+                       params=child_params(res, b, git))
+            ref = reference_backend(res)
+            if ref is not None and b != ref and b in res.runs:
+                df, truncated = token_diffs(res, b, ref)
+                if df is not None:
+                    d = Path(tmp) / cid
+                    d.mkdir()
+                    write_frame(df, d / "token_diffs")
+                    client.log_artifacts(cid, str(d))
+                    client.set_tag(cid, "token_diffs.reference", ref)
+                if truncated:
+                    client.set_tag(cid, "token_diffs.truncated", "true")
+            client.set_terminated(cid, status="FAILED" if b in res.errors else "FINISHED")
+            prog.children += 1
+        prog.stage = "writing the report artifacts"
+        rep = Path(tmp) / "report"
+        rep.mkdir()
+        try:
+            if report_files:  # already rendered by the caller: attach them (plots under plots/)
+                for f in map(Path, report_files):
+                    dest = rep / "plots" / f.name if f.suffix == ".png" else rep / f.name
+                    dest.parent.mkdir(exist_ok=True)
+                    shutil.copyfile(f, dest)
+            else:
+                build_run_report(results, rep)
+        except Exception as e:  # a plotting/file problem must not cost the run its results.json
+            prog.notes.append(f"report not attached ({type(e).__name__}: {e})")
+        (rep / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1,
+                                                     default=str))
+        prog.stage = "uploading the report artifacts"
+        client.log_artifacts(pid, str(rep))
+    prog.stage = "finishing the parent run"
+    _log_batch(client, pid, metrics=[("scenarios_total", float(len(results)), 0),
+                                     ("scenarios_passed", float(sum(r.passed for r in results)), 0),
+                                     ("seconds", float(sum(r.seconds for r in results)), 0)])
+    client.set_terminated(pid, status="FINISHED")
+
+
+def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, report_dir: Path,
+                   experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
+                   extra_tags: dict | None = None,
+                   report_files: list[Path] | None = None) -> LogOutcome:
+    """Log ``results`` (one ``rlaudit run`` invocation). Never raises: ``ok=False`` and a message
+    saying what was and was not logged when MLflow is missing, unreachable or misconfigured.
+
+    ``report_files``: the paths ``write_run_report`` returned for these results, attached as
+    they are; without it the report is rendered again into a temporary directory."""
+    uri, artifact_location = resolve_tracking_uri(tracking_uri, Path(report_dir))
+    prog = _Progress()
+    client = None
+    t0 = time.perf_counter()
+    try:
+        with bounded_http():
+            preflight(uri)
+            prog.stage = "importing mlflow"
+            from mlflow.tracking import MlflowClient
+            prog.stage = "opening the tracking store"
+            client = MlflowClient(tracking_uri=uri)
+            exp_id = _experiment_id(client, experiment, artifact_location)
+            _log(results, client, exp_id, prog, run_name=run_name, extra_tags=extra_tags or {},
+                 git=git_revision(), report_files=report_files)
+    except Exception as e:
+        err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if isinstance(e, ImportError):
+            err += " (install the mlflow extra: pip install 'rlaudit[mlflow]')"
+        done = (f"parent run {prog.parent} created, {prog.children}/{prog.total} child runs "
+                f"logged" if prog.parent else "nothing was logged")
+        if client is not None and prog.parent:
+            with contextlib.suppress(Exception), bounded_http(retries=0):
+                client.set_terminated(prog.parent, status="FAILED")
+        return LogOutcome(False, f"MLflow logging to {uri} failed while {prog.stage}: {err}; "
+                                 f"{done} (the audit result above stands)", prog.parent, uri)
+    notes = f"; {'; '.join(prog.notes)}" if prog.notes else ""
+    return LogOutcome(not prog.notes, f"logged {len(results)} scenario(s), {prog.children} "
+                                      f"run(s) to MLflow {uri} (experiment {experiment!r}, parent "
+                                      f"run {prog.parent}, {time.perf_counter() - t0:.1f}s){notes}",
+                      prog.parent, uri)

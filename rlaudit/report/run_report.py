@@ -1,0 +1,249 @@
+"""The report of one ``rlaudit run`` invocation: ``<report_dir>/latest/report.html``
+(self-contained: inline CSS, plots as base64 PNG) and ``report.md`` (plots under ``plots/``).
+
+For every scenario: the verdict, the invariant x backend table, failures with their messages,
+backend crashes, golden comparisons (value / golden / drift / tolerance) and a plot of every
+golden-compared metric over the training steps, one line per backend, with the golden band.
+
+    paths = write_run_report(results, Path("reports"))   # [report.html, report.md, plots/...]
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from pathlib import Path
+
+from rlaudit.metrics import golden_names
+from rlaudit.report import render as R
+from rlaudit.scenarios.result import ScenarioResult
+
+#: invariant cells show the worst status of the checks that apply to the backend, in this order
+STATUS_ORDER = ("error", "fail", "pass", "n/a")
+#: subplots per row in the metrics-over-steps grid
+PLOT_COLUMNS = 4
+#: golden rows shown outside the collapsed "all rows" block (the failing ones come first)
+GOLDEN_ROWS_SHOWN = 12
+#: how the pseudo-invariant "*" (the backend itself ran, was available) is labelled
+BACKEND_RAN = "(backend ran)"
+#: lines of a backend's traceback kept in the report (the tail is where the cause is)
+TRACEBACK_LINES = 25
+
+
+def _worst(statuses: list[str]) -> str:
+    for s in STATUS_ORDER:
+        if s in statuses:
+            return s
+    return "-"
+
+
+def invariant_rows(res: ScenarioResult) -> list[list[str]]:
+    """[invariant, status per backend...]: a check on backend ``*`` applies to every backend."""
+    rows = []
+    for inv in dict.fromkeys(c.invariant for c in res.checks):
+        rows.append([BACKEND_RAN if inv == "*" else inv] + [_worst([c.status for c in res.checks
+                                     if c.invariant == inv and c.backend in (b, "*")])
+                             for b in res.backends])
+    if res.golden:
+        by_backend = {g.backend: g.status for g in res.golden}
+        rows.append(["golden"] + [by_backend.get(b, "-") for b in res.backends])
+    return rows
+
+
+def golden_rows(res: ScenarioResult) -> list[dict]:
+    """Every golden comparison row tagged with its backend, failing rows first."""
+    rows = [{"backend": g.backend, **r} for g in res.golden for r in g.rows]
+    return sorted(rows, key=lambda r: (bool(r.get("ok")), r["backend"], r["step"], r["metric"]))
+
+
+def failures(res: ScenarioResult) -> list[str]:
+    out = [f"{c.status.upper()} {BACKEND_RAN if c.invariant == '*' else c.invariant} "
+           f"[{c.backend}]: {c.message}" for c in res.checks if c.status in ("fail", "error")]
+    out += [f"golden {g.status.upper()} [{g.backend}]: {g.message}"
+            for g in res.golden if g.status in ("fail", "stale", "blessed")]
+    return out
+
+
+# ---- plot --------------------------------------------------------------------------------------
+
+def plot_metrics(res: ScenarioResult) -> bytes | None:
+    """PNG grid: one subplot per golden-compared metric, value over steps per backend, with the
+    golden value +/- its tolerance (of the first backend that has one) as a grey error bar."""
+    names = golden_names({n for steps in res.metrics.values() for s in steps for n in s})
+    if not names:
+        return None
+    failing = {r["metric"] for r in golden_rows(res) if not r.get("ok")}
+    band: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+    for g in res.golden:
+        for r in g.rows:
+            bound = r["atol"] + r["rtol"] * abs(r["golden"])
+            band.setdefault((g.backend, r["metric"]), []).append(
+                (r["step"], r["golden"] - bound, r["golden"] + bound))
+    plt = R.pyplot()
+    ncols = min(PLOT_COLUMNS, len(names))
+    nrows = math.ceil(len(names) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.4 * nrows + 0.6),
+                             squeeze=False, layout="constrained")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes.flat, names):
+        for g in res.golden:  # the first backend with a golden for this metric
+            pts = sorted(band.get((g.backend, name), []))
+            if pts:
+                xs = [p[0] for p in pts]
+                mid = [(p[1] + p[2]) / 2 for p in pts]
+                ax.errorbar(xs, mid, yerr=[(p[2] - p[1]) / 2 for p in pts], fmt="s", ms=9,
+                            mfc="none", mec="0.35", ecolor="0.6", capsize=6, zorder=1,
+                            label="golden ± tol")
+                break
+        for i, b in enumerate(res.backends):
+            steps = res.metrics.get(b, [])
+            xs = [k for k, s in enumerate(steps) if name in s]
+            if xs:
+                ax.plot(xs, [steps[k][name] for k in xs], marker="o", markersize=4,
+                        color=colours[i % len(colours)], label=b, zorder=2)
+        bad = name in failing
+        ax.set_title(name, fontsize=9, color="#cf222e" if bad else "black",
+                     fontweight="bold" if bad else "normal")
+        ax.tick_params(labelsize=7)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("step", fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8,
+                   frameon=False)
+    fig.suptitle(f"{res.scenario}: metrics over training steps (red title: golden mismatch)",
+                 fontsize=10)
+    return R.fig_png(fig)
+
+
+# ---- HTML / Markdown ---------------------------------------------------------------------------
+
+def _summary(results: list[ScenarioResult]) -> list[tuple[str, object]]:
+    passed = sum(r.passed for r in results)
+    backends = sorted({b for r in results for b in r.backends})
+    return [("scenarios", len(results)), ("passed", passed), ("failed", len(results) - passed),
+            ("backends", ", ".join(backends) or "-"),
+            ("seconds", f"{sum(r.seconds for r in results):.1f}")]
+
+
+def _golden_table_rows(rows: list[dict]) -> list[list]:
+    return [[r["backend"], r["step"], r["metric"], R.num_cell(r["value"], 10),
+             R.num_cell(r["golden"], 10), R.num_cell(r["drift"], 3), R.num_cell(r["rtol"], 2),
+             R.num_cell(r["atol"], 2), R.status_cell("pass" if r.get("ok") else "fail")]
+            for r in rows]
+
+
+GOLDEN_HEADER = ["backend", "step", "metric", "value", "golden", "rel. drift", "rtol", "atol",
+                 "status"]
+
+
+def _html_scenario(res: ScenarioResult, png: bytes | None) -> str:
+    verdict = R.badge("PASSED", "ok") if res.passed else R.badge("FAILED", "bad")
+    out = [f'<section class="card" id="{R.esc(R.safe_filename(res.scenario))}">'
+           f"<h2>{R.esc(res.scenario)}{verdict}</h2>",
+           f'<div class="muted">{R.esc(res.path)} &middot; dtype {R.esc(res.dtype or "-")} '
+           f"&middot; device {R.esc(res.device or '-')} &middot; {res.seconds:.1f}s</div>"]
+    if res.layouts:
+        out.append(R.table(["backend", "layout"], [[b, ", ".join(f"{k}={v}" for k, v in l.items())
+                                                    or "single process"]
+                                                   for b, l in res.layouts.items()]))
+    out.append("<h3>Invariants</h3>")
+    rows = [[r[0], *(R.status_cell(s) for s in r[1:])] for r in invariant_rows(res)]
+    out.append(R.table(["invariant", *res.backends], rows) if rows
+               else '<p class="muted">no checks ran</p>')
+    fails = failures(res)
+    if fails:
+        out.append("<h3>Failures</h3><ul class=\"fail\">" +
+                   "".join(f"<li><code>{R.esc(f)}</code></li>" for f in fails) + "</ul>")
+    for b, err in res.errors.items():
+        tail = "\n".join(err.splitlines()[-TRACEBACK_LINES:])
+        out.append(f"<h3>Backend {R.esc(b)} crashed</h3><pre>{R.esc(tail)}</pre>")
+    grows = golden_rows(res)
+    if grows:
+        n_bad = sum(not r.get("ok") for r in grows)
+        out.append(f"<h3>Golden comparison <span class=\"muted\">({len(grows)} values, "
+                   f"{n_bad} out of tolerance)</span></h3>")
+        shown = grows[:max(GOLDEN_ROWS_SHOWN, n_bad)]
+        out.append(R.table(GOLDEN_HEADER, _golden_table_rows(shown)))
+        if len(grows) > len(shown):
+            out.append(f"<details><summary>all {len(grows)} rows</summary>"
+                       f"{R.table(GOLDEN_HEADER, _golden_table_rows(grows))}</details>")
+    if png:
+        out.append("<h3>Metrics over steps</h3>" + R.img(png, f"{res.scenario} metrics"))
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def render_html(results: list[ScenarioResult], pngs: dict[str, bytes]) -> str:
+    now = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    passed = all(r.passed for r in results) and bool(results)
+    verdict = R.badge("PASSED", "ok") if passed else R.badge("FAILED", "bad")
+    head = [f'<section class="card"><h2>Summary{verdict}</h2>',
+            R.stats(_summary(results))]
+    head.append(R.table(["scenario", "verdict", "backends", "failures", "seconds"],
+                        [[r.scenario, R.status_cell("pass" if r.passed else "fail"),
+                          ", ".join(r.backends), len(failures(r)),
+                          R.num_cell(round(r.seconds, 1))] for r in results]))
+    head.append("</section>")
+    body = head + [_html_scenario(r, pngs.get(r.scenario)) for r in results]
+    return R.page("rlaudit run report", f"{len(results)} scenario(s) · generated {now}", body)
+
+
+def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str]) -> str:
+    passed = sum(r.passed for r in results)
+    out = [f"# rlaudit run report", "",
+           f"**{passed}/{len(results)} scenarios passed** "
+           f"({sum(r.seconds for r in results):.1f}s)", "",
+           R.md_table(["scenario", "verdict", "backends"],
+                      [[r.scenario, "pass" if r.passed else "**FAIL**", ", ".join(r.backends)]
+                       for r in results])]
+    for res in results:
+        out += ["", f"## {res.scenario}: {'PASSED' if res.passed else 'FAILED'}", "",
+                f"`{res.path}` · dtype {res.dtype or '-'} · device {res.device or '-'} · "
+                f"{res.seconds:.1f}s", ""]
+        rows = invariant_rows(res)
+        cells = [[r[0], *(f"**{s.upper()}**" if s in ("fail", "error") else s for s in r[1:])]
+                 for r in rows]
+        out.append(R.md_table(["invariant", *res.backends], cells) if rows
+                   else "_no checks ran_")
+        fails = failures(res)
+        if fails:
+            out += ["", "### Failures", ""] + [f"- `{R.md_escape(f)}`" for f in fails]
+        grows = golden_rows(res)
+        if grows:
+            n_bad = sum(not r.get("ok") for r in grows)
+            out += ["", f"### Golden comparison ({len(grows)} values, {n_bad} out of "
+                    "tolerance)", ""]
+            md_rows = [[str(c) for c in row] for row in _golden_table_rows(grows)]
+            if n_bad:
+                out.append(R.md_table(GOLDEN_HEADER, md_rows[:n_bad]))
+            out += ["", f"<details><summary>all {len(grows)} rows</summary>", "",
+                    R.md_table(GOLDEN_HEADER, md_rows), "", "</details>"]
+        if res.scenario in plot_paths:
+            out += ["", f"![{res.scenario} metrics]({plot_paths[res.scenario]})"]
+    return "\n".join(out) + "\n"
+
+
+def build_run_report(results: list[ScenarioResult], out_dir: Path) -> list[Path]:
+    """Write report.html, report.md and plots/<scenario>.png into ``out_dir`` (each atomically;
+    plots left over from an earlier invocation are removed). Returns [html, md, *plots]."""
+    out_dir = Path(out_dir)
+    pngs = {r.scenario: png for r in results if (png := plot_metrics(r)) is not None}
+    plot_files = {s: f"plots/{R.safe_filename(s)}.png" for s in pngs}
+    written = [R.write_atomic(out_dir / "report.html", render_html(results, pngs)),
+               R.write_atomic(out_dir / "report.md", render_markdown(results, plot_files))]
+    written += [R.write_atomic(out_dir / plot_files[s], png) for s, png in pngs.items()]
+    plots_dir = out_dir / "plots"
+    if plots_dir.is_dir():
+        for stale in set(plots_dir.glob("*.png")) - set(written):
+            stale.unlink(missing_ok=True)
+    return written
+
+
+def write_run_report(results: list[ScenarioResult], report_dir: Path) -> list[Path]:
+    """The invocation's report under ``<report_dir>/latest/``; returns [report.html, report.md,
+    plots...]."""
+    return build_run_report(results, Path(report_dir) / "latest")

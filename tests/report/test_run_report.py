@@ -1,0 +1,99 @@
+"""The local run report: files written atomically, content from hand-built results."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+import pytest
+
+from rlaudit.report import render
+from rlaudit.report.run_report import failures, golden_rows, invariant_rows, write_run_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_invariant_table_takes_the_worst_status_per_backend(make):
+    res = make(failing_check=True)
+    rows = {r[0]: r[1:] for r in invariant_rows(res)}
+    assert rows["stored_kl_unaltered"] == ["pass", "fail"]
+    assert rows["backend_parity"] == ["pass", "pass"]          # a "*" check applies to both
+    assert rows["golden"] == ["pass", "pass"]
+    crashed = make(crashed="fsdp")
+    rows = {r[0]: r[1:] for r in invariant_rows(crashed)}
+    assert rows["(backend ran)"] == ["-", "error"]
+    assert rows["entropy_logged"] == ["pass", "-"]
+
+
+def test_golden_rows_put_failures_first(make):
+    res = make(shift={"fsdp": {"actor/pg_loss": 1e-3}})
+    rows = golden_rows(res)
+    bad = [r for r in rows if not r["ok"]]
+    assert [(r["backend"], r["metric"], r["step"]) for r in bad] == [
+        ("fsdp", "actor/pg_loss", 0), ("fsdp", "actor/pg_loss", 1)]
+    assert rows[:2] == bad
+    assert len(rows) == 2 * 2 * 4   # backends x steps x golden metrics (timing excluded)
+    assert any("golden FAIL [fsdp]" in f for f in failures(res))
+
+
+@pytest.mark.slow
+def test_write_run_report(make, tmp_path):
+    results = [make("scn_a", shift={"fsdp": {"actor/pg_loss": 1e-3}}, failing_check=True),
+               make("scn_b", steps=3, crashed="fsdp"), make("scn_c", backends=("reference",))]
+    stale = tmp_path / "latest" / "plots" / "old_scenario.png"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    paths = write_run_report(results, tmp_path)
+    latest = tmp_path / "latest"
+    assert paths[:2] == [latest / "report.html", latest / "report.md"]
+    assert sorted(p.name for p in paths[2:]) == ["scn_a.png", "scn_b.png", "scn_c.png"]
+    assert not stale.exists()
+    assert sorted(p.name for p in latest.iterdir()) == ["plots", "report.html", "report.md"]
+    html = (latest / "report.html").read_text()
+    # self-contained: three embedded PNGs that decode, no external references
+    imgs = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(imgs) == 3 and all(base64.b64decode(i).startswith(PNG_MAGIC) for i in imgs)
+    assert "<link" not in html and "http://" not in html and "https://" not in html
+    # failure messages are shown, escaped
+    assert "rollout/kl 0.5 vs 0.25 &lt;b&gt;x&lt;/b&gt;" in html and "<b>x</b>" not in html
+    assert "RankFailure: rank 1 died" in html
+    assert html.count('class="badge bad">FAILED') == 3   # summary + scn_a + scn_b
+    assert html.count('class="badge ok">PASSED') == 1    # scn_c
+    md = (latest / "report.md").read_text()
+    assert "**1/3 scenarios passed**" in md
+    assert "![scn_a metrics](plots/scn_a.png)" in md
+    assert "| fsdp | 0 | actor/pg_loss | 0.501 | 0.5 | 0.002 |" in md
+    for p in paths[2:]:
+        assert p.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_write_atomic_gives_normal_permissions(tmp_path):
+    import os
+    mask = os.umask(0o022)
+    try:
+        path = render.write_atomic(tmp_path / "r.html", "x")
+    finally:
+        os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o644 and path.read_text() == "x"
+
+
+def test_write_atomic_leaves_no_temp_file_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "x.html"
+    target.write_text("old")
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(render.os, "replace", boom)
+    with pytest.raises(OSError):
+        render.write_atomic(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.html"]
+
+
+def test_fmt_num_and_tables():
+    assert render.fmt_num(None) == "" and render.fmt_num(float("nan")) == "nan"
+    assert render.fmt_num(1.23456789e-7, 3) == "1.23e-07"
+    assert render.md_table(["a|b"], [["x\ny"]]) == "| a\\|b |\n|---|\n| x y |"
+    assert render.text_table(["k", "value"], [["long-key", 1]]).splitlines() == [
+        "k         value", "--------  -----", "long-key  1"]
