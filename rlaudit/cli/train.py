@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     p.add_argument("--metrics-out", help="write one JSON line of metrics per step here")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
+    p.add_argument("--export", metavar="DIR", help="write the trained actor as an HF snapshot")
     p.set_defaults(func=run)
 
 
@@ -65,6 +66,8 @@ def run(args) -> int:
         trainer.train(progress=not args.quiet, on_step=on_step)
         if job.checkpoint_dir:
             print(f"checkpoint: {trainer.save()}", file=sys.stderr)
+        if args.export:
+            print(f"exported: {trainer.export(args.export)}", file=sys.stderr)
     finally:
         if out is not None:
             out.close()

@@ -7,9 +7,9 @@ A task makes prompts (deterministically from a seed) and scores a response text 
   byte model emits digits ~4% of the time; RL raises it quickly.
 - ``echo``: the prompt is ``"<letters>:"``; the score is the fraction of response characters equal
   to the prompt's first letter. Needs attention to the prompt, so it is slower to learn.
-- ``count``: the score is 1 when the response (before eos) is exactly ``"aaaa"`` (length 4 of the
-  letter a), else a shaped partial credit: 0.25 per leading 'a' up to 4, minus 0.25 per extra
-  character. Exercises the overlong penalty and length-sensitive losses.
+- ``short``: the score is ``1 - |len - 4| / 12`` (clipped at 0) for a response of ``len``
+  characters: the model must learn to emit EOS early. Gives rollouts with varied lengths, which
+  length-sensitive losses, token budgets and the overlong penalty need.
 """
 
 from __future__ import annotations
@@ -49,17 +49,20 @@ def _echo_score(prompt: str, response: str) -> float:
     return sum(c == prompt[0] for c in response) / len(response)
 
 
-def _count_score(prompt: str, response: str) -> float:
-    lead = len(response) - len(response.lstrip("a"))
-    return max(min(lead, 4) * 0.25 - max(len(response) - 4, 0) * 0.25, 0.0)
+#: target length and length scale of the `short` task
+SHORT_TARGET, SHORT_SCALE = 4, 12.0
+
+
+def _short_score(prompt: str, response: str) -> float:
+    return max(1.0 - abs(len(response) - SHORT_TARGET) / SHORT_SCALE, 0.0)
 
 
 for _task in (
     Task("digits", _letters, _digits_score, "fraction of response characters that are digits"),
     Task("echo", lambda rng: _letters(rng) + ":", _echo_score,
          "fraction of response characters equal to the prompt's first letter"),
-    Task("count", lambda rng: _letters(rng) + "=", _count_score,
-         "partial credit for answering exactly 'aaaa'"),
+    Task("short", lambda rng: _letters(rng) + "=", _short_score,
+         "1 - |response length - 4| / 12: learn to stop early"),
 ):
     TASKS.register(_task.name)(_task)
 

@@ -24,7 +24,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlaudit.algo.dapo import filter_groups
 from rlaudit.config import Config, load_config, to_dict
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError, RlauditError
@@ -34,7 +33,7 @@ from rlaudit.rollout.sampler import sample
 from rlaudit.trainer import checkpoint as ckpt
 from rlaudit.trainer.tasks import Task, get_task, prompts_for_step
 from rlaudit.update.context import TorchContext, build_optimizer
-from rlaudit.update.step import Roles, sequence_scores, train_step
+from rlaudit.update.step import Roles, select_groups, train_step
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 JOB_KEYS = {"model", "task", "checkpoint_dir", "save_freq", "resume"}
@@ -162,11 +161,9 @@ class Trainer:
                     f"algorithm.filter_groups.max_num_gen_batches or data.gen_batch_size")
             batch, _ = self.generate(step, gen_index)
             gen_index += 1
-            if fg.enable:
-                metric, _ = sequence_scores(batch, cfg)  # rule score (+ overlong penalty)
-                batch = batch.select(filter_groups(batch["uid"], metric).nonzero().flatten())
+            batch, groups = select_groups(batch, cfg)
             kept.append(batch)
-            n_groups += int(torch.unique(batch["uid"]).numel()) if len(batch) else 0
+            n_groups += groups
         full = RolloutBatch.concat([b for b in kept if len(b)])
         uids = list(dict.fromkeys(full["uid"].tolist()))[:want]
         rows = [i for i, u in enumerate(full["uid"].tolist()) if u in set(uids)]
@@ -206,6 +203,18 @@ class Trainer:
         if self.critic is not None:
             roles["critic"] = (self.critic.model, self.critic.optimizer)
         return roles
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Write the current actor as an HF snapshot (config, safetensors, tokenizer) that every
+        backend, vLLM and scenarios can load."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model = self.actor.model
+        dtype = next(model.parameters()).dtype
+        model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+        model.to(dtype)
+        self.tokenizer.save_pretrained(out)
+        return out
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(self.job.checkpoint_dir, self.step, self._ckpt_roles(),

@@ -12,7 +12,6 @@ computed it is reported as ``actor/entropy``; it enters the loss only when ``ent
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -183,9 +182,7 @@ def update_actor(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dict
             results = ctx.forward_backward(plan.micros, spec,
                                            partial(actor_loss, cfg=cfg, denom=plan.denom))
             step_stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
-            grad_norm = ctx.grad_norm_and_clip(act.grad_clip)
-            if math.isfinite(grad_norm):
-                ctx.optimizer_step()
+            grad_norm = ctx.clip_and_step(act.grad_clip)
             step_stats["actor/grad_norm"] = grad_norm
             step_stats["actor/lr"] = ctx.lr
             step_stats["actor/num_microbatches"] = float(len(plan.micros))

@@ -9,8 +9,10 @@ for exactly five things, and backends differ only in how they provide them:
   the engine reduces gradients (FSDP and Megatron DDP average over ranks; Megatron's schedule
   also divides by the number of micro-batches) so that the accumulated gradient is the gradient
   of the whole mini-batch loss;
-- ``grad_norm_and_clip(max_norm)``: the global pre-clip L2 norm over every parameter shard;
-- ``optimizer_step()``, ``zero_grad()`` and ``lr``.
+- ``clip_and_step(max_norm)``: the global pre-clip L2 norm of the gradient over every parameter
+  shard; clip to ``max_norm`` (<= 0: no clipping) and step the optimizer, unless the norm is not
+  finite (then the step is skipped, as verl does);
+- ``zero_grad()`` and ``lr``.
 
 :class:`TorchContext` serves plain modules (the reference trainer, one process) and FSDP2-sharded
 modules (same code; the FSDP backend passes its process group).
@@ -60,9 +62,7 @@ class ParallelContext(Protocol):
     def forward_backward(self, micros: list[RolloutBatch], spec: ForwardSpec,
                          loss_fn: LossFn | None) -> list[dict]: ...
 
-    def grad_norm_and_clip(self, max_norm: float) -> float: ...
-
-    def optimizer_step(self) -> None: ...
+    def clip_and_step(self, max_norm: float) -> float: ...
 
     def zero_grad(self) -> None: ...
 
@@ -185,19 +185,19 @@ class TorchContext:
     def _params(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def grad_norm_and_clip(self, max_norm: float) -> float:
+    def clip_and_step(self, max_norm: float) -> float:
         grads = [p.grad for p in self._params() if p.grad is not None]
         if not grads:
             return 0.0
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if hasattr(total, "full_tensor"):  # DTensor under FSDP2: reduce over shards
             total = total.full_tensor()
-        if max_norm > 0 and torch.isfinite(total):
+        if not torch.isfinite(total):
+            return float(total)
+        if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(self._params(), max_norm, total)
-        return float(total)
-
-    def optimizer_step(self) -> None:
         self.optimizer.step()
+        return float(total)
 
     def zero_grad(self) -> None:
         self.model.zero_grad(set_to_none=True)

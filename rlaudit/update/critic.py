@@ -7,7 +7,6 @@ mini-batch's global denominators (``critic.loss_agg_mode``).
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -65,9 +64,7 @@ def update_critic(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dic
             results = ctx.forward_backward(plan.micros, VALUE_SPEC,
                                            partial(critic_loss, cfg=cfg, denom=plan.denom))
             stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
-            grad_norm = ctx.grad_norm_and_clip(crit.grad_clip)
-            if math.isfinite(grad_norm):
-                ctx.optimizer_step()
+            grad_norm = ctx.clip_and_step(crit.grad_clip)
             stats["critic/grad_norm"] = grad_norm
             stats["critic/lr"] = ctx.lr
             acc.add_step(stats)

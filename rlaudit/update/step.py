@@ -20,7 +20,7 @@ import torch
 
 from rlaudit.algo.advantages import compute_advantages
 from rlaudit.algo.agg import masked_mean
-from rlaudit.algo.dapo import overlong_penalty
+from rlaudit.algo.dapo import filter_groups, overlong_penalty
 from rlaudit.algo.reward import apply_kl_in_reward, place_scores
 from rlaudit.algo.rollout_corr import is_metrics, mismatch_metrics, rollout_is_weights
 from rlaudit.config import Config
@@ -63,6 +63,26 @@ def sequence_scores(batch: RolloutBatch, cfg: Config) -> tuple[torch.Tensor, tor
     penalty = overlong_penalty(batch["response_lengths"], max_response_length=cfg.rollout.response_length,
                                buffer_len=ob.len, penalty_factor=ob.penalty_factor).double()
     return scores + penalty, penalty
+
+
+def select_groups(batch: RolloutBatch, cfg: Config) -> tuple[RolloutBatch, int]:
+    """DAPO dynamic sampling on one batch: keep the prompt groups whose filter metric has a
+    non-zero spread, and single-row groups. Returns (kept rows, number of kept groups).
+
+    The metric (algorithm.filter_groups.metric): ``acc``/``score`` = the rule score;
+    ``seq_reward`` = score + overlong penalty; ``seq_final_reward`` = the same, because the filter
+    runs before old/reference log-probs exist (as in verl's DAPO recipe), so KL-in-reward cannot
+    have been applied yet."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return batch, int(torch.unique(batch["uid"]).numel())
+    if fg.metric in ("acc", "score"):
+        metric = batch["scores"].double()
+    else:
+        metric, _ = sequence_scores(batch, cfg)
+    keep = filter_groups(batch["uid"], metric)
+    kept = batch.select(keep.nonzero().flatten())
+    return kept, int(torch.unique(kept["uid"]).numel()) if len(kept) else 0
 
 
 def prepare_batch(roles: Roles, batch: RolloutBatch, cfg: Config) -> tuple[RolloutBatch, dict]:
