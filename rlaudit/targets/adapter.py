@@ -1,0 +1,218 @@
+"""The adapter API: how someone else's trainer exposes its stages to rlaudit's checks.
+
+An adapter is any object (usually a small class) with a ``name`` and any subset of the stage
+methods below. ``rlaudit run --target module:Attr`` imports it, instantiates it when ``Attr`` is a
+class, and runs every check whose stage is provided; a check whose stage is missing is reported
+``n/a``, never ``pass``. Subclassing :class:`TargetAdapter` is optional (it only supplies the
+defaults of the optional attributes). docs/targets.md is the user guide; this module is the
+contract.
+
+Conventions (docs/internals.md): per-token tensors are padded, response-aligned ``[B, R]``;
+``response_mask`` ``[B, R]`` bool, True = the token counts; ``uid`` ``[B]`` int64 group id (rows
+of a group need not be contiguous, groups may be singletons); float64 inputs. A stage must not
+modify its inputs in place, and its outputs must not share storage with its inputs or with each
+other. Stages receive keyword arguments only.
+
+Stages (each optional)::
+
+    compute_advantages(*, estimator, token_level_rewards, response_mask, uid, values, gamma, lam,
+                       norm_adv_by_std_in_grpo) -> (advantages [B, R], returns [B, R])
+    apply_kl_in_reward(*, token_level_scores, old_log_probs, ref_log_probs, response_mask,
+                       kl_coef, kl_penalty) -> (token_level_rewards [B, R], kl [B, R])
+    kl_penalty(*, log_prob, ref_log_prob, kind) -> [B, R] per-token estimate (unmasked)
+    agg_loss(*, loss_mat, mask, mode, denominators=None) -> scalar
+    policy_loss(*, old_log_prob, log_prob, advantages, response_mask, loss_mode, loss_agg_mode,
+                clip_ratio_low, clip_ratio_high, clip_ratio_c, denominators=None)
+        -> (loss scalar, metrics {catalogue name: float | 0-dim tensor})
+    make_microbatches(batch, *, dp_size, micro_batch_size=None, max_token_len=None)
+        -> per rank, a list of micro-batches (RolloutBatch or {field: tensor})
+    distill_loss(*, name, student, teacher, mask) -> per-token loss ([B, R] or nested)
+    train_step(*, model_path, ref_model_path, batch, config, steps, device) -> TrainStepOutput
+
+Optional attributes: ``name`` (the column in reports; default the class name),
+``advantage_estimators``, ``kl_estimators``, ``loss_agg_modes``, ``loss_modes``,
+``distill_losses`` (names the stage implements; default: every name the reference has),
+``metric_names`` (catalogue names train_step logs, see backend_adapter.py) and
+``supports(config) -> (bool, why)`` (whether train_step can run a config; an unsupported variant
+makes the invariants that need it n/a).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from rlaudit.errors import InputError
+
+#: Every stage method, in the order checks run, with the check families it unlocks.
+STAGES: dict[str, str] = {
+    "compute_advantages": "advantages per estimator vs the reference; grouped by uid (row "
+                          "permutation); values under mask 0 ignored; no mutation/aliasing",
+    "apply_kl_in_reward": "stored KL unaltered (slime #2114); rewards = scores - kl_coef * kl; "
+                          "no mutation/aliasing",
+    "kl_penalty": "every KL estimator's values and gradients vs the reference",
+    "agg_loss": "every loss_agg_mode vs the reference; micro-batch contributions with global "
+                "denominators sum to the whole-batch value",
+    "policy_loss": "loss, gradient and metrics vs the reference for every mode and clip "
+                   "setting; global-normalisation split; row permutation; masked values; "
+                   "metrics are copies",
+    "make_microbatches": "every valid token exactly once; equal micro-batch count per rank; every "
+                         "micro-batch (padding ones included) carries every field (SkyRL #1811)",
+    "distill_loss": "values vs the reference; nested (jagged) input matches padded input "
+                    "(verl #5997)",
+    "train_step": "metrics are copies; input batch unchanged; and, with a scenario, every "
+                  "run-level invariant against the reference backend",
+}
+
+#: Exceptions a stage may raise to say "this name/setting is not implemented here": the case is
+#: reported as skipped (and the check n/a if nothing else ran), never as passed or failed.
+NOT_SUPPORTED = (NotImplementedError,)
+
+
+@dataclass
+class TrainStepOutput:
+    """What ``train_step`` returns. Only ``metrics`` is required; every other field unlocks more
+    checks (see docs/targets.md, "What train_step returns").
+
+    Attributes:
+        metrics: one dict per training step, catalogue names (rlaudit/metrics.py) -> float or
+            0-dim tensor, reduced as the catalogue says (loss terms: global over the mini-batch,
+            averaged over optimizer steps).
+        log_probs: ``[B, R]`` log-probs of the response tokens under the *initial* policy
+            (before any update), at ``config.rollout.temperature``; 0 or anything where
+            ``response_mask`` is False (never compared there).
+        entropy: ``[B, R]`` per-token entropy of the initial policy (same temperature).
+        tokens: per-token ``[B, R]`` fields as the trainer held them at the end of step 0, under
+            rlaudit names: ``old_log_probs``, ``ref_log_probs``, ``values``, ``kl`` (the stored
+            KL that ``rollout/kl`` logs), ``token_level_scores``, ``token_level_rewards``,
+            ``advantages``, ``returns``, ``rollout_is_weights``.
+        params: one dict per step: every actor parameter after that step, unsharded, by its
+            Hugging Face name (as in the snapshot's safetensors).
+        microbatches: per step, per data-parallel rank, per optimizer step, the micro-batches the
+            rank ran (padding ones included): each a RolloutBatch, a dict of rlaudit-named
+            tensors, or the dict :func:`rlaudit.update.plan.describe_micro` returns.
+    """
+
+    metrics: list[Mapping[str, Any]]
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    tokens: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    params: list[Mapping[str, torch.Tensor]] = field(default_factory=list)
+    microbatches: list[list[list[list[Any]]]] = field(default_factory=list)
+
+
+class TargetAdapter:
+    """Optional base class: defaults for the optional attributes. Define only the stage methods
+    your trainer has; see the module docstring for their signatures."""
+
+    name: str = ""
+    advantage_estimators: tuple[str, ...] | None = None
+    kl_estimators: tuple[str, ...] | None = None
+    loss_agg_modes: tuple[str, ...] | None = None
+    loss_modes: tuple[str, ...] | None = None
+    distill_losses: tuple[str, ...] | None = None
+    metric_names: tuple[str, ...] | None = None
+
+    def supports(self, config) -> tuple[bool, str]:
+        """Whether ``train_step`` can run ``config``; (False, why) makes its variants n/a."""
+        return True, ""
+
+
+def adapter_name(adapter: object) -> str:
+    """``adapter.name`` if set, else its class name."""
+    name = getattr(adapter, "name", "") or type(adapter).__name__
+    if not isinstance(name, str):
+        raise InputError(f"expected a string, got {name!r}", source=type(adapter).__name__,
+                         key="name")
+    return name
+
+
+def has_stage(adapter: object, stage: str) -> bool:
+    """True when the adapter provides ``stage`` (a callable attribute of that name)."""
+    if stage not in STAGES:
+        raise KeyError(stage)
+    return callable(getattr(adapter, stage, None))
+
+
+def provided_stages(adapter: object) -> list[str]:
+    return [s for s in STAGES if has_stage(adapter, s)]
+
+
+def accepts(fn, param: str) -> bool:
+    """Whether callable ``fn`` takes keyword ``param`` (explicitly or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return param in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def supported_names(adapter: object, attr: str, reference) -> list[str]:
+    """The names an adapter declares for a stage (``attr``, e.g. ``"loss_modes"``), or every
+    name of ``reference`` (a registry: its canonical names; aliases are accepted when declared).
+    Unknown declared names raise InputError naming the attribute."""
+    declared = getattr(adapter, attr, None)
+    if declared is None:
+        return list(reference)
+    if isinstance(declared, str) or not all(isinstance(n, str) for n in declared):
+        raise InputError(f"expected a tuple of names, got {declared!r}",
+                         source=adapter_name(adapter), key=attr)
+    unknown = sorted(n for n in declared if n not in reference)
+    if unknown:
+        raise InputError(f"unknown name(s) {unknown}; the reference has: "
+                         f"{', '.join(list(reference))}", source=adapter_name(adapter), key=attr)
+    return list(declared)
+
+
+def supports(adapter: object, config) -> tuple[bool, str]:
+    """``adapter.supports(config)`` normalised to ``(bool, why)`` (True when not defined)."""
+    fn = getattr(adapter, "supports", None)
+    if fn is None:
+        return True, ""
+    out = fn(config)
+    if isinstance(out, tuple):
+        ok, why = out
+        return bool(ok), str(why)
+    return bool(out), "" if out else "the adapter does not support this configuration"
+
+
+def load_adapter(spec: str) -> object:
+    """Import ``"package.module:Attr"`` and return the adapter: ``Attr()`` when ``Attr`` is a
+    class, else ``Attr`` itself. When the module is not importable as is, the current directory
+    is added to ``sys.path`` and the import retried (so ``examples.toy_trainer.adapter:ToyAdapter``
+    works from the repository root even through the installed ``rlaudit`` script).
+    """
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise InputError(f"expected MODULE:ATTR (e.g. mypkg.audit:MyAdapter), got {spec!r}",
+                         key="--target")
+    module_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as first:
+        cwd = os.getcwd()
+        if cwd in sys.path or first.name is None or not module_name.startswith(first.name):
+            raise InputError(f"cannot import module {module_name!r}: {first}",
+                             key="--target") from None
+        sys.path.insert(0, cwd)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise InputError(f"cannot import module {module_name!r} (also tried from {cwd}): "
+                             f"{e}", key="--target") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise InputError(f"module {module_name!r} has no attribute {attr!r}",
+                         key="--target") from None
+    adapter = obj() if isinstance(obj, type) else obj
+    adapter_name(adapter)  # validates ``name``
+    if not provided_stages(adapter):
+        raise InputError(f"{spec} provides none of the stages {', '.join(STAGES)} "
+                         f"(see docs/targets.md)", key="--target")
+    return adapter

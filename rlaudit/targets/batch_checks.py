@@ -1,0 +1,263 @@
+"""Stage checks of ``make_microbatches`` and ``train_step`` (registered into checks.STAGE_CHECKS).
+
+Micro-batching is checked on a 12-row batch with optional fields of every shape kind (a sequence
+field, per-token floats, a ``[B, R, K]`` integer field and a field rlaudit does not know), under
+several layouts: by count and by token budget, dp = 1..4. Under a token budget contiguous shards
+of long and short rows need different numbers of micro-batches, so ranks must be padded.
+
+train_step is run on the built-in rollout (:mod:`rlaudit.targets.builtin`) three times: once with
+one step, then once with two, to see whether anything it returned changes afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from rlaudit.data.batch import Kind, RolloutBatch
+from rlaudit.scenarios.result import NA, CheckResult
+from rlaudit.targets.adapter import accepts, supports
+from rlaudit.targets.checks import StageEnv, Tally, attempt, stage_check
+from rlaudit.targets.guard import AdapterRaised
+
+#: (dp_size, micro_batch_size, max_token_len): exactly one of the last two is set
+LAYOUTS = ((1, 4, None), (4, 2, None), (2, None, 16), (3, None, 12), (2, 3, None))
+ROWS = 12
+WIDTH_P, WIDTH_R, TOPK = 4, 6, 3
+
+
+def microbatch_input() -> RolloutBatch:
+    """12 rows, 3 groups; long rows first so contiguous shards differ in token counts; every row
+    has a distinct first prompt token (100 + i) so rows can be recognised after re-cutting."""
+    g = torch.Generator().manual_seed(7)
+    pl = torch.tensor([4, 4, 3, 4, 3, 4, 2, 1, 2, 1, 2, 1])
+    rl = torch.tensor([6, 5, 6, 6, 4, 5, 1, 0, 2, 1, 0, 3])
+    mask = torch.arange(WIDTH_R).unsqueeze(0) < rl.unsqueeze(1)
+    mask[3, 2] = False                                   # a hole inside a response
+    prompt_ids = torch.randint(0, 50, (ROWS, WIDTH_P), generator=g)
+    prompt_ids[:, 0] = 100 + torch.arange(ROWS)
+    tensors = {
+        "prompt_ids": prompt_ids, "prompt_lengths": pl,
+        "response_ids": torch.randint(0, 50, (ROWS, WIDTH_R), generator=g),
+        "response_lengths": rl, "response_mask": mask,
+        "uid": torch.tensor([5, 9, 2] * 4, dtype=torch.int64),
+        "scores": torch.rand(ROWS, generator=g, dtype=torch.float64),
+        "old_log_probs": -torch.rand(ROWS, WIDTH_R, generator=g, dtype=torch.float64),
+        "advantages": torch.randn(ROWS, WIDTH_R, generator=g, dtype=torch.float64),
+        "rollout_log_probs": -torch.rand(ROWS, WIDTH_R, generator=g, dtype=torch.float64),
+        "teacher_topk_ids": torch.randint(0, 50, (ROWS, WIDTH_R, TOPK), generator=g),
+        "loss_weights": torch.rand(ROWS, WIDTH_R, generator=g, dtype=torch.float32),
+    }
+    return RolloutBatch.from_tensors(tensors, kinds={"loss_weights": Kind.TOKEN},
+                                     source="rlaudit.targets.batch_checks")
+
+
+def _row_key(t: Mapping[str, torch.Tensor], i: int) -> tuple:
+    pl, rl = int(t["prompt_lengths"][i]), int(t["response_lengths"][i])
+    return (int(t["uid"][i]), tuple(t["prompt_ids"][i, :pl].tolist()),
+            tuple(t["response_ids"][i, :rl].tolist()))
+
+
+def _same_mask(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Same valid positions (a micro-batch may be narrower or wider than the batch)."""
+    w = min(got.shape[0], want.shape[0])
+    return (torch.equal(got[:w].cpu(), want[:w]) and not bool(got[w:].any())
+            and not bool(want[w:].any()))
+
+
+def _layout_label(dp, mbs, tokens) -> str:
+    return f"dp={dp}, " + (f"micro_batch_size={mbs}" if mbs else f"max_token_len={tokens}")
+
+
+def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens):
+    """The adapter's micro-batches for one layout as per-rank lists of tensor dicts."""
+    kw = {"dp_size": dp}
+    if mbs is not None:
+        kw["micro_batch_size"] = mbs
+    else:
+        if not accepts(env.adapter.make_microbatches, "max_token_len"):
+            raise NotImplementedError("make_microbatches takes no max_token_len")
+        kw["max_token_len"] = tokens
+    out, _ = env.call("make_microbatches", batch, label=_layout_label(dp, mbs, tokens), **kw)
+    if not isinstance(out, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in out):
+        raise AdapterRaised("make_microbatches", TypeError(
+            f"expected a list (per rank) of lists of micro-batches, got {type(out).__name__}"))
+    ranks = []
+    for rank in out:
+        micros = []
+        for mb in rank:
+            if isinstance(mb, RolloutBatch):
+                micros.append(dict(mb.tensors))
+            elif isinstance(mb, Mapping):
+                micros.append(dict(mb))
+            else:
+                raise AdapterRaised("make_microbatches", TypeError(
+                    f"a micro-batch must be a RolloutBatch or a dict of tensors, got "
+                    f"{type(mb).__name__}"))
+        ranks.append(micros)
+    return ranks
+
+
+def _layouts(env: StageEnv, check: str, body) -> CheckResult:
+    t = Tally(check, env.name)
+    batch = microbatch_input()
+    for dp, mbs, tokens in LAYOUTS:
+        label = _layout_label(dp, mbs, tokens)
+        attempt(t, label, lambda: body(t, batch, label, dp, _cut(env, batch, dp, mbs, tokens)))
+    return t
+
+
+@stage_check("make_microbatches", "tokens-exactly-once", "metamorphic")
+def tokens_exactly_once(env: StageEnv) -> CheckResult:
+    """Every row of the batch that has a valid token appears in exactly one micro-batch of one
+    rank, with its response mask unchanged; any other row a micro-batch holds (padding) has no
+    valid token. So every loss term is counted exactly once."""
+    def body(t, batch, label, dp, ranks):
+        want = {_row_key(batch.tensors, i): batch.mask[i] for i in range(len(batch))
+                if bool(batch.mask[i].any())}
+        seen: dict[tuple, int] = {}
+        t.checked += 1
+        if len(ranks) != dp:
+            t.fail(f"{label}: {len(ranks)} rank lists for dp_size={dp}")
+            return
+        for r, micros in enumerate(ranks):
+            for j, mb in enumerate(micros):
+                mask = mb["response_mask"].bool()
+                for i in range(mask.shape[0]):
+                    key = _row_key(mb, i) if all(k in mb for k in ("uid", "prompt_ids")) else None
+                    if key in want and _same_mask(mask[i], want[key]):
+                        seen[key] = seen.get(key, 0) + 1
+                    elif bool(mask[i].any()):
+                        t.fail(f"{label}: rank {r} micro-batch {j} row {i} has valid tokens but "
+                               f"is not a row of the batch (or its mask changed)")
+        missing = [k for k in want if k not in seen]
+        twice = [k for k, n in seen.items() if n > 1]
+        if missing:
+            t.fail(f"{label}: {len(missing)} row(s) with valid tokens are in no micro-batch")
+        if twice:
+            t.fail(f"{label}: {len(twice)} row(s) are in more than one micro-batch")
+    return _layouts(env, "make_microbatches:tokens-exactly-once", body).result(
+        "layouts cut every valid token exactly once")
+
+
+@stage_check("make_microbatches", "equal-count-per-rank", "distributed")
+def equal_count(env: StageEnv) -> CheckResult:
+    """Every data-parallel rank gets the same number of micro-batches (padding micro-batches make
+    up the difference), so no rank waits in a collective the others never reach."""
+    def body(t, batch, label, dp, ranks):
+        t.checked += 1
+        counts = [len(r) for r in ranks]
+        if len(set(counts)) > 1:
+            t.fail(f"{label}: micro-batches per rank differ: {counts}")
+    return _layouts(env, "make_microbatches:equal-count-per-rank", body).result(
+        "layouts give every rank the same count")
+
+
+@stage_check("make_microbatches", "padding-complete", "seed")
+def padding_complete(env: StageEnv) -> CheckResult:
+    """Every micro-batch — padding ones included — carries every field of the batch (optional
+    and unknown ones too) with the batch's dtype and trailing shape; a padding micro-batch's
+    response mask is all False (SkyRL PR #1811: padding built from a hard-coded key list dropped
+    ``rollout_log_probs`` and the loss raised inside the distributed backward)."""
+    def body(t, batch, label, dp, ranks):
+        t.checked += 1
+        for r, micros in enumerate(ranks):
+            for j, mb in enumerate(micros):
+                missing = sorted(set(batch.tensors) - set(mb))
+                wrong = sorted(k for k in set(batch.tensors) & set(mb)
+                               if mb[k].dtype != batch[k].dtype
+                               or tuple(mb[k].shape[2:]) != tuple(batch[k].shape[2:])
+                               or (batch.kinds[k] == Kind.SEQ and mb[k].dim() != 1))
+                if missing or wrong:
+                    t.fail(f"{label}: rank {r} micro-batch {j}: missing {missing}, dtype or "
+                           f"trailing shape differs {wrong}")
+    return _layouts(env, "make_microbatches:padding-complete", body).result(
+        "layouts give complete micro-batches")
+
+
+# ---- train_step ------------------------------------------------------------------------------
+
+def _train_runs(env: StageEnv):
+    """(batch, fingerprint ok, first output, first output's values, second output) or a reason
+    string why train_step cannot be checked; computed once per environment."""
+    cached = getattr(env, "_train_runs", None)
+    if cached is not None:
+        return cached
+    from rlaudit.targets import builtin
+    from rlaudit.targets.backend_adapter import (fingerprint, metric_floats,
+                                                 unchanged_since)
+    if env.model_path is None:
+        env._train_runs = "no model snapshot given (run through run_target)"
+        return env._train_runs
+    cfg = builtin.config()
+    ok, why = supports(env.adapter, cfg)
+    if not ok:
+        env._train_runs = f"the built-in configuration is not supported: {why}"
+        return env._train_runs
+    batch = builtin.rollout(env.model_path)
+    before = fingerprint(batch)
+    kw = dict(model_path=str(env.model_path), ref_model_path=None, batch=batch, config=cfg,
+              device="cpu")
+    try:
+        first = env.adapter.train_step(steps=1, **kw)
+        values = [metric_floats(m, "train_step") for m in first.metrics]
+        second = env.adapter.train_step(steps=2, **kw)
+    except Exception as e:  # the adapter's failure on a valid batch is the finding
+        env._train_runs = AdapterRaised("train_step", e)
+        return env._train_runs
+    env._train_runs = (unchanged_since(batch, before), first, values, second)
+    return env._train_runs
+
+
+def _not_run(check: str, env: StageEnv, runs) -> CheckResult | None:
+    """The result when train_step could not be run (n/a) or raised (fail)."""
+    if isinstance(runs, str):
+        return CheckResult(check, env.name, NA, runs)
+    if isinstance(runs, AdapterRaised):
+        t = Tally(check, env.name)
+        t.fail(f"on the built-in rollout: {runs}")
+        return t.result("")
+    return None
+
+
+@stage_check("train_step", "metrics-are-copies", "no-mutation")
+def train_metrics_copies(env: StageEnv) -> CheckResult:
+    """The metrics a train_step call returned keep their values after the adapter runs again,
+    and a two-step run's first-step metrics equal a one-step run's: no returned metric is a view
+    of state that later steps or calls update in place (e.g. a loss divided in place by the
+    number of micro-batches after it was reported). Assumes train_step is deterministic."""
+    t = Tally("train_step:metrics-are-copies", env.name)
+    runs = _train_runs(env)
+    if (skip := _not_run(t.check, env, runs)) is not None:
+        return skip
+    _, first, values, second = runs
+    from rlaudit.targets.backend_adapter import metric_floats
+    for name, value in values[0].items():
+        t.compare(f"{name} returned by a 1-step call, after a 2-step call",
+                  float(first.metrics[0][name]), value)
+    later = metric_floats(second.metrics[0], "train_step") if second.metrics else {}
+    for name, value in values[0].items():
+        if name.startswith("timing/"):
+            continue
+        if name not in later:
+            t.fail(f"{name} logged at step 0 of a 1-step run but not of a 2-step run")
+        else:
+            t.compare(f"{name} at step 0 of a 2-step run vs a 1-step run", later[name], value)
+    return t.result("metric values stable")
+
+
+@stage_check("train_step", "no-input-mutation", "no-mutation")
+def train_no_mutation(env: StageEnv) -> CheckResult:
+    """The batch handed to train_step is bit-identical afterwards (values and version
+    counters of every tensor)."""
+    runs = _train_runs(env)
+    name = "train_step:no-input-mutation"
+    if (skip := _not_run(name, env, runs)) is not None:
+        return skip
+    unchanged = runs[0]
+    t = Tally(name, env.name)
+    t.checked += 1
+    if not unchanged:
+        t.fail("train_step modified the batch it was given in place")
+    return t.result("train_step calls left their input batch unchanged")

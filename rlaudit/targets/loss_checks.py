@@ -1,0 +1,257 @@
+"""Stage checks of ``policy_loss`` and ``distill_loss`` (registered into checks.STAGE_CHECKS).
+
+Policy loss is compared with :meth:`ReferenceAdapter.policy_loss` (rlaudit.algo's formulas) for
+every loss mode x aggregation mode x clip setting; the clip settings are asymmetric and the
+inputs' log-ratios hit every clip region (cases.LOG_RATIOS), so an ignored ``clip_ratio_high``,
+a missing dual clip or a wrong aggregation shows up as a value, gradient or metric mismatch.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from rlaudit.algo.agg import AGG_MODES, Denominators
+from rlaudit.algo.distill import DISTILL_LOSSES
+from rlaudit.algo.policy_loss import POLICY_LOSSES
+from rlaudit.scenarios.invariants.stage_checks import _inputs as distill_inputs
+from rlaudit.scenarios.invariants.stage_checks import check_nested_losses
+from rlaudit.scenarios.result import NA, CheckResult
+from rlaudit.targets.adapter import accepts, supported_names
+from rlaudit.targets.cases import Case, fixed_permutation, split_rows, with_garbage
+from rlaudit.targets.checks import StageEnv, Tally, _grad_of, attempt, stage_check
+from rlaudit.targets.guard import AdapterRaised
+from rlaudit.targets.reference import ReferenceAdapter
+
+#: (clip_ratio_low, clip_ratio_high, clip_ratio_c): DAPO's asymmetric clip-higher, and another
+#: asymmetric setting with a tighter dual clip
+CLIP_SETTINGS = ((0.2, 0.28, 3.0), (0.1, 0.3, 2.0))
+#: metrics compared with the reference when the adapter returns them
+POLICY_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                  "actor/ppo_kl")
+
+_ORACLE = ReferenceAdapter()
+
+
+def _policy_kwargs(case: Case, loss_mode: str, agg: str, clip) -> dict:
+    low, high, c = clip
+    return dict(old_log_prob=case["old_log_probs"],
+                log_prob=case["log_probs"].clone().requires_grad_(True),
+                advantages=case["advantages"], response_mask=case.mask, loss_mode=loss_mode,
+                loss_agg_mode=agg, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)
+
+
+def _adapter_policy(env: StageEnv, case: Case, loss_mode: str, agg: str, clip,
+                    denominators=None, label=""):
+    """(loss, metrics, grad of loss w.r.t. log_prob) from the adapter."""
+    kw = _policy_kwargs(case, loss_mode, agg, clip)
+    if denominators is not None:
+        kw["denominators"] = denominators
+    out, given = env.call("policy_loss", label=label or f"{loss_mode}/{agg} on {case.name}", **kw)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict)):
+        raise AdapterRaised("policy_loss", TypeError(
+            f"expected (loss, metrics dict), got {type(out).__name__}"))
+    loss, metrics = out
+    return loss, metrics, _grad_of(loss, given["log_prob"])
+
+
+def _floats(metrics: dict) -> dict:
+    return {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+
+
+def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None):
+    kw = _policy_kwargs(case, loss_mode, agg, clip)
+    loss, metrics = _ORACLE.policy_loss(**kw, denominators=denominators)
+    return loss.detach(), metrics, _grad_of(loss, kw["log_prob"])
+
+
+def _policy_runs(env: StageEnv, clips=CLIP_SETTINGS):
+    modes = supported_names(env.adapter, "loss_modes", POLICY_LOSSES)
+    aggs = supported_names(env.adapter, "loss_agg_modes", AGG_MODES)
+    for mode in modes:
+        for agg in aggs:
+            for clip in clips:
+                yield f"{mode}/{agg} clip={clip}", mode, agg, clip
+
+
+@stage_check("policy_loss", "parity", "parity")
+def policy_parity(env: StageEnv) -> CheckResult:
+    """Loss, its gradient with respect to ``log_prob`` (0 on masked tokens) and the returned
+    metrics (``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+    ``actor/pg_loss``, when present) equal the reference's for every loss mode, aggregation mode
+    and asymmetric clip setting (``clip_ratio_high != clip_ratio_low``)."""
+    t = Tally("policy_loss:parity", env.name)
+    for label, mode, agg, clip in _policy_runs(env):
+        for case in env.cases:
+            def one():
+                loss, metrics, grad = _adapter_policy(env, case, mode, agg, clip)
+                w_loss, w_metrics, w_grad = _oracle_policy(case, mode, agg, clip)
+                t.compare(f"{label} loss on {case.name}", loss, w_loss)
+                t.compare(f"{label} gradient on {case.name}", grad, w_grad)
+                for name in POLICY_METRICS:
+                    if name in metrics:
+                        t.compare(f"{label} {name} on {case.name}", metrics[name],
+                                  w_metrics[name])
+            attempt(t, label, one, skip_as=mode)
+    return t.result("loss/gradient/metric comparisons agree")
+
+
+@stage_check("policy_loss", "global-split", "metamorphic")
+def policy_global_split(env: StageEnv) -> CheckResult:
+    """With the whole batch's ``Denominators`` passed to each micro-batch, the micro-batch losses,
+    gradients and metrics sum to the adapter's own whole-batch values (global normalisation; a
+    per-micro-batch token-mean fails this). n/a when ``policy_loss`` takes no ``denominators``."""
+    t = Tally("policy_loss:global-split", env.name)
+    if not accepts(env.adapter.policy_loss, "denominators"):
+        return CheckResult(t.check, env.name, NA, "policy_loss takes no `denominators` argument")
+    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+        for case in env.cases:
+            def one():
+                denom = Denominators.of(case.mask, norm_len=case.shape[1])
+                w_loss, w_metrics, w_grad = _adapter_policy(env, case, mode, agg, clip,
+                                                            label=f"{label} whole batch")
+                w_metrics = _floats(w_metrics)      # values as returned (before later calls)
+                total, grad, sums = 0.0, torch.zeros_like(w_grad), {}
+                for rows in split_rows(len(case.mask)):
+                    loss, metrics, g = _adapter_policy(env, case.rows(rows), mode, agg, clip,
+                                                       denom, label=f"{label} rows {rows.tolist()}")
+                    total += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+                    grad[rows] = g
+                    for name in POLICY_METRICS:
+                        if name in metrics:
+                            sums[name] = sums.get(name, 0.0) + float(metrics[name])
+                t.compare(f"{label} on {case.name}: sum of micro-batch losses", total,
+                          w_loss.detach() if isinstance(w_loss, torch.Tensor) else w_loss)
+                t.compare(f"{label} on {case.name}: micro-batch gradients", grad, w_grad)
+                for name, value in sums.items():
+                    if name in w_metrics:
+                        t.compare(f"{label} on {case.name}: sum of micro-batch {name}", value,
+                                  w_metrics[name])
+            attempt(t, label, one, skip_as=mode)
+    return t.result("split sums agree with the whole-batch values")
+
+
+@stage_check("policy_loss", "row-permutation", "metamorphic")
+def policy_permutation(env: StageEnv) -> CheckResult:
+    """Permuting rows leaves the loss unchanged and permutes its gradient the same way."""
+    t = Tally("policy_loss:row-permutation", env.name)
+    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+        for case in env.cases:
+            if len(case.mask) < 2:
+                continue
+            perm = fixed_permutation(len(case.mask))
+
+            def one():
+                loss, _, grad = _adapter_policy(env, case, mode, agg, clip)
+                loss_p, _, grad_p = _adapter_policy(env, case.permuted(perm), mode, agg, clip)
+                t.compare(f"{label} loss on {case.name} (rows permuted)", loss_p, loss.detach())
+                t.compare(f"{label} gradient on {case.name} (rows permuted)", grad_p, grad[perm])
+            attempt(t, label, one, skip_as=mode)
+    return t.result("permuted runs agree")
+
+
+@stage_check("policy_loss", "masked-values", "metamorphic")
+def policy_masked(env: StageEnv) -> CheckResult:
+    """Log-probs and advantages written where ``response_mask`` is False (finite garbage) change
+    neither the loss, nor the metrics, nor the gradient; the gradient on masked tokens is 0."""
+    t = Tally("policy_loss:masked-values", env.name)
+    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+        for case in env.cases:
+            def one():
+                loss, metrics, grad = _adapter_policy(env, case, mode, agg, clip)
+                metrics = _floats(metrics)
+                loss_g, metrics_g, grad_g = _adapter_policy(env, with_garbage(case), mode, agg,
+                                                            clip)
+                t.compare(f"{label} loss on {case.name} with garbage under the mask", loss_g,
+                          loss.detach())
+                t.compare(f"{label} gradient on {case.name} with garbage under the mask",
+                          grad_g, grad)
+                for name in POLICY_METRICS:
+                    if name in metrics and name in metrics_g:
+                        t.compare(f"{label} {name} on {case.name} with garbage under the mask",
+                                  metrics_g[name], metrics[name])
+            attempt(t, label, one, skip_as=mode)
+    return t.result("runs with garbage under the mask agree")
+
+
+@stage_check("policy_loss", "metrics-are-copies", "no-mutation")
+def policy_metrics_copies(env: StageEnv) -> CheckResult:
+    """The loss and metrics a call returned keep their values when the adapter is called again
+    on other inputs (a metric returned as a view of a buffer the adapter reuses changes later)."""
+    t = Tally("policy_loss:metrics-are-copies", env.name)
+    first, second = env.cases[0], env.cases[1 % len(env.cases)]
+    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+        def one():
+            loss, metrics, _ = _adapter_policy(env, first, mode, agg, clip)
+            kept = {"loss": loss, **metrics}
+            values = {k: float(v.detach() if isinstance(v, torch.Tensor) else v)
+                      for k, v in kept.items()}
+            _adapter_policy(env, second if second is not first else with_garbage(first), mode,
+                            agg, clip)
+            for k, v in kept.items():
+                t.compare(f"{label} {k} returned by the first call, after a second call",
+                          v.detach() if isinstance(v, torch.Tensor) else v, values[k])
+        attempt(t, label, one, skip_as=mode)
+    return t.result("returned values unchanged by later calls")
+
+
+# ---- distillation ----------------------------------------------------------------------------
+
+def _distill_case(env: StageEnv):
+    """Lengths/width of the first case (0-, 1- and full-length rows) and the padded inputs."""
+    case = env.cases[0]
+    lengths = case["response_lengths"]
+    width = case.shape[1]
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    return lengths, width, mask, distill_inputs(lengths, width)
+
+
+@stage_check("distill_loss", "parity", "parity")
+def distill_parity(env: StageEnv) -> CheckResult:
+    """Padded-input distillation losses (per-token values and gradients with respect to the
+    student's log-probs) equal the reference's on valid tokens."""
+    t = Tally("distill_loss:parity", env.name)
+    lengths, width, mask, (s_k, t_k, s_1, t_1) = _distill_case(env)
+    for name in supported_names(env.adapter, "distill_losses", DISTILL_LOSSES):
+        s, teacher = (s_k, t_k) if name == "forward_kl_topk" else (s_1, t_1)
+
+        def one(name=name, s=s, teacher=teacher):
+            out, given = env.call("distill_loss", label=name, name=name,
+                                  student=s.clone().requires_grad_(True), teacher=teacher,
+                                  mask=mask)
+            leaf = s.clone().requires_grad_(True)
+            want = _ORACLE.distill_loss(name=name, student=leaf, teacher=teacher, mask=mask)
+            t.compare(f"{name} values", out, want.detach(), mask)
+            if isinstance(out, torch.Tensor) and out.shape == mask.shape:
+                t.compare(f"{name} gradient", _grad_of(out, given["student"], mask),
+                          _grad_of(want, leaf, mask))
+        attempt(t, name, one)
+    return t.result("distillation losses agree with the reference")
+
+
+@stage_check("distill_loss", "nested-matches-padded", "seed")
+def distill_nested(env: StageEnv) -> CheckResult:
+    """The same per-token inputs as ``torch.nested`` jagged tensors (mask None) and as padded
+    tensors with a mask give the same per-token losses and gradients, for rows of length 0, 1 and
+    the full width (verl PR #5997: index operations failed on nested tensors)."""
+    lengths, width, mask, _ = _distill_case(env)
+    names = supported_names(env.adapter, "distill_losses", DISTILL_LOSSES)
+    losses = {f"distill:{n}": (lambda s, t, m, n=n: env.adapter.distill_loss(
+        name=n, student=s, teacher=t, mask=m), n == "forward_kl_topk") for n in names}
+    view = SimpleNamespace(batch=_LengthsView(lengths, width))
+    res = check_nested_losses(view, env.name, losses)
+    res.invariant = "distill_loss:nested-matches-padded"
+    return res
+
+
+class _LengthsView:
+    """What check_nested_losses reads of a batch: response_lengths and the width R."""
+
+    def __init__(self, lengths: torch.Tensor, width: int):
+        self._lengths, self.response_width = lengths, width
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key != "response_lengths":
+            raise KeyError(key)
+        return self._lengths

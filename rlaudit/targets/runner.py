@@ -1,0 +1,245 @@
+"""``rlaudit run --target module:Adapter``: every applicable check against someone else's trainer.
+
+    results = run_target("examples.toy_trainer.adapter:ToyAdapter")
+    results = run_target(MyAdapter(), scenario_names=["seed_entropy_coeff_zero"])
+
+1. Stage checks (once, on generated inputs): the pseudo-scenario ``"stages"``.
+2. When the adapter has ``train_step``: for each named scenario (or ``--all``; with neither, the
+   built-in scenario of :mod:`rlaudit.targets.builtin`), the scenario's variants are replayed on
+   the adapter and on the reference backend, and each of the scenario's invariants is checked,
+   the adapter as one backend and the reference as the oracle. The scenario's own backend list
+   is ignored: the target is the backend under audit.
+
+An invariant that needs a variant the adapter does not support, or data its ``train_step`` did not
+return, is n/a for the adapter (with the reason) and still runs for the reference. Parity compares
+each variant on its own mask, the per-token tensors the adapter returned and the metric names it
+logs in any variant (plus its declared ``metric_names``): a name it logs in one variant and drops
+in another fails, one it never logs is listed as not compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from pathlib import Path
+
+from rlaudit.backends.base import ReplayRequest
+from rlaudit.backends.registry import get_backend
+from rlaudit.config import flatten, to_dict
+from rlaudit.errors import InputError
+from rlaudit.metrics import golden_names
+from rlaudit.scenarios.engine import build_variants
+from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
+from rlaudit.scenarios.invariants.parity import ORACLE
+from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.scenarios.result import ERROR, FAIL, NA, PASS, CheckResult, ScenarioResult
+from rlaudit.scenarios.spec import Scenario
+from rlaudit.targets import builtin
+from rlaudit.targets.adapter import adapter_name, has_stage, load_adapter
+from rlaudit.targets.backend_adapter import AdapterBackend, missing
+from rlaudit.targets.checks import run_stage_checks
+
+#: invariants that compare the target with the reference run by run
+PARITY_INVARIANTS = ("backend-parity", "dp-invariance")
+
+
+def run_target(target: str | object, scenario_names: list[str] | None = None,
+               all_: bool = False, scenarios_dir: str | Path = "scenarios", *,
+               stages: list[str] | None = None,
+               invariants: list[str] | None = None) -> list[ScenarioResult]:
+    """Stage checks, then run-level invariants per scenario (see the module docstring).
+
+    ``target``: ``"module:Attr"`` or an adapter object. ``stages`` / ``invariants`` restrict what
+    runs (tests and quick iterations); ``invariants`` applies to every scenario.
+    """
+    adapter = load_adapter(target) if isinstance(target, str) else target
+    name = adapter_name(adapter)
+    if name == ORACLE:
+        raise InputError(f"the name {ORACLE!r} is reserved for rlaudit's reference backend; "
+                         f"give the adapter another name", source=type(adapter).__name__,
+                         key="name")
+    model = builtin.tiny_model_path(scenarios_dir)
+    results = [run_stage_checks(adapter, stages=stages, model_path=str(model))]
+    if scenario_names or all_:
+        from rlaudit.data.io import load_rollout
+        from rlaudit.scenarios.spec import load_scenario
+        scenarios = [load_scenario(p) for p in _resolve(scenario_names or [], all_,
+                                                        scenarios_dir)]
+        plans = [(s, lambda s=s: load_rollout(s.rollout)) for s in scenarios]
+    else:
+        ref = builtin.tiny_model_path(scenarios_dir, "llama")
+        plans = [(builtin.scenario(model, invariants, ref_model_path=ref),
+                  lambda: builtin.rollout(model))]
+    for scn, rollout in plans:
+        if not has_stage(adapter, "train_step"):
+            results.append(ScenarioResult(
+                scenario=scn.name, path=str(scn.path), backends=[name],
+                checks=[CheckResult("*", name, NA, f"{name} does not provide train_step: no "
+                                    f"run-level invariant applies")]))
+            continue
+        results.append(run_target_scenario(adapter, scn, rollout(), invariants=invariants))
+    return results
+
+
+def run_target_scenario(adapter: object, scn: Scenario, batch, *,
+                        invariants: list[str] | None = None) -> ScenarioResult:
+    """One scenario: replay its variants on the adapter and the reference backend, then check
+    its invariants (or ``invariants``)."""
+    t0 = time.perf_counter()
+    target = AdapterBackend(adapter)
+    name = target.name
+    scn = dataclasses.replace(
+        scn, backends={name: dict(getattr(adapter, "layout", {}) or {}), ORACLE: {}},
+        invariants=list(invariants or scn.invariants))
+    variants = build_variants(scn, batch)
+    res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=[name, ORACLE],
+                         config=flatten(to_dict(scn.config)), layouts=dict(scn.backends),
+                         dtype=scn.dtype, device=scn.device, tags=[*scn.tags, "target"],
+                         provenance=_provenance(scn, batch, name))
+    ok, why = target.available()
+    if not ok:      # nothing to compare: do not spend time on the reference either
+        res.checks.append(CheckResult("*", name, NA, f"target unavailable: {why}"))
+        res.seconds = time.perf_counter() - t0
+        return res
+    runs = {}
+    for b, backend in ((name, target), (ORACLE, get_backend(ORACLE))):
+        request = ReplayRequest(model=str(scn.model), variants=variants,
+                                ref_model=str(scn.ref_model) if scn.ref_model else None,
+                                layout=scn.backends[b], dtype=scn.dtype, device=scn.device)
+        try:
+            runs[b] = backend.replay(request)
+            if "base" in runs[b]:
+                res.metrics[b] = runs[b]["base"].steps
+        except InputError:
+            raise
+        except Exception as e:  # a crashing trainer is a finding, reported with its traceback
+            res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    for b, err in res.errors.items():
+        res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0], {"traceback": err}))
+    ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
+                       variants=variants)
+    for inv in scn.invariants:
+        res.checks.extend(check_invariant(inv, ctx, name, adapter, target.skipped))
+    res.runs = runs
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def check_invariant(inv_name: str, ctx: CheckContext, target: str, adapter: object,
+                    skipped: dict[str, str]) -> list[CheckResult]:
+    """One invariant: n/a for the target when it lacks a variant or data (the reference is still
+    checked); parity invariants compare the target with the reference (:func:`target_parity`)."""
+    inv = INVARIANTS.get(inv_name)
+    out: list[CheckResult] = []
+    runs = ctx.runs.get(target)
+    sub = ctx
+    if runs is not None:
+        universe = metric_universe(runs, adapter)
+        needed = [v.name for v in inv.variants(ctx.scenario, ctx.batch)] or ["base"]
+        absent = [v for v in needed if v not in runs]
+        configs = {v.name: v.config for v in ctx.variants}
+        why = ("variant(s) not run by the target: " + "; ".join(
+            f"{v} ({skipped.get(v, 'not returned')})" for v in absent[:2])
+               if absent else missing(inv_name, {v: runs[v] for v in needed}, configs, universe))
+        if why:
+            out.append(CheckResult(inv_name, target, NA, why))
+            sub = dataclasses.replace(ctx, runs={b: r for b, r in ctx.runs.items()
+                                                 if b != target})
+        elif inv_name in PARITY_INVARIANTS:
+            return [target_parity(inv_name, ctx, target, universe)]
+    if not sub.runs:
+        return out
+    try:
+        return out + inv.check(sub)
+    except Exception as e:
+        return out + [CheckResult(inv_name, "*", ERROR, f"the check raised {type(e).__name__}: "
+                                  f"{e}", {"traceback": traceback.format_exc()})]
+
+
+def target_parity(inv_name: str, ctx: CheckContext, target: str,
+                  universe: set[str]) -> CheckResult:
+    """backend-parity (and dp-invariance, when the target's layout has dp > 1) for a target:
+    every variant both ran, compared with :func:`compare_runs` on that variant's own mask, the
+    reference narrowed to what the target reports (:func:`narrowed_reference`)."""
+    if inv_name == "dp-invariance" and ctx.scenario.backends[target].get("dp", 1) <= 1:
+        return CheckResult(inv_name, target, NA, "the target's layout has dp = 1")
+    if ORACLE not in ctx.runs:
+        return CheckResult(inv_name, target, NA, "the reference backend did not run")
+    got, ref = ctx.runs[target], narrowed_reference(ctx.runs[ORACLE], ctx.runs[target], universe)
+    masks = {v.name: v.batch.mask for v in ctx.variants}
+    failures, details, drift = [], {}, 0.0
+    common = [v for v in got if v in ref]
+    for v in common:
+        c = compare_runs(ctx.scenario, got[v], ref[v], mask=masks[v], label=f"variant {v}")
+        drift = max(drift, c.drift)
+        failures += c.failures
+        details.setdefault("failures", []).extend(c.details.get("failures", []))
+    never = sorted({n for r in ctx.runs[ORACLE].values() for s in r.steps
+                    for n in golden_names(s)} - universe)
+    if never:
+        details["not_compared"] = never
+    note = (f" [not compared, never logged by {target}: {', '.join(never[:4])}"
+            f"{' ...' if len(never) > 4 else ''}]") if never else ""
+    if failures:
+        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+        return CheckResult(inv_name, target, FAIL, failures[0] + more + note, details, drift)
+    return CheckResult(inv_name, target, PASS, f"{len(common)} variant(s) agree with {ORACLE} "
+                       f"(worst relative drift {drift:.2g}){note}", details, drift)
+
+
+def metric_universe(runs: dict, adapter: object) -> set[str]:
+    """Every metric name the target logged in any variant, plus its declared metric_names."""
+    names = set(getattr(adapter, "metric_names", None) or ())
+    for run in runs.values():
+        for step in run.steps:
+            names.update(step)
+    return names
+
+
+def narrowed_reference(ref_runs: dict, target_runs: dict, universe: set[str]) -> dict:
+    """The reference's runs restricted to the target's reported data: per variant, the per-token
+    tensors and parameters the target returned; metrics named in ``universe``."""
+    out = {}
+    for v, run in ref_runs.items():
+        t = target_runs.get(v)
+        keep = set(t.tokens) if t is not None else set()
+        out[v] = dataclasses.replace(
+            run, tokens={k: x for k, x in run.tokens.items() if k in keep},
+            steps=[{k: x for k, x in s.items() if k in universe} for s in run.steps],
+            params=run.params if t is not None and t.params else [])
+    return out
+
+
+def _provenance(scn: Scenario, batch, target: str) -> dict:
+    from rlaudit.data.io import rollout_sha256
+    from rlaudit.model.load import snapshot_id
+    return {"target": target, "model_sha": snapshot_id(scn.model),
+            "rollout_sha": rollout_sha256(batch)}
+
+
+def _resolve(names: list[str], all_: bool, scenarios_dir: str | Path) -> list[Path]:
+    """Scenario names (file stems) or paths, or every scenario under ``scenarios_dir``."""
+    from rlaudit.scenarios.spec import discover
+    root = Path(scenarios_dir)
+    found = {p.stem: p for p in discover(root)} if root.is_dir() else {}
+    if all_:
+        if names:
+            raise InputError("give scenario names or --all, not both")
+        if not found:
+            raise InputError(f"no scenario files under {root}", source=str(root))
+        return list(found.values())
+    out = []
+    for n in names:
+        p = Path(n)
+        if p.suffix in (".yaml", ".yml") and p.is_file():
+            out.append(p)
+        elif n in found:
+            out.append(found[n])
+        else:
+            raise InputError(f"no scenario named {n!r} under {root} (known: "
+                             f"{', '.join(sorted(found)) or 'none'})", key=n)
+    return out
+
+
+__all__ = ["run_target", "run_target_scenario", "check_invariant"]

@@ -1,0 +1,280 @@
+"""Deliberately broken adapters: each has ONE bug of the kind RL trainers ship (SEEDS.md and its
+generalisations). tests/targets/test_*.py assert each is caught by the expected check.
+
+Stage-level ones subclass the reference adapter (correct everywhere but the bug); train_step ones
+swap ToyTrainer for a subclass with one changed policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from examples.toy_trainer import trainer as toy
+from examples.toy_trainer.adapter import ToyAdapter
+from rlaudit.algo.kl import kl_penalty as kl_estimate
+from rlaudit.algo.policy_loss import compute_policy_loss
+from rlaudit.data.batching import is_padding_microbatch
+from rlaudit.targets.reference import ReferenceAdapter
+
+
+# ---- stage-level -------------------------------------------------------------------------------
+
+class StoredKLInPlace(ReferenceAdapter):
+    """slime PR #2114: the reward is built in place in the tensor that is stored (and logged as
+    rollout/kl): ``k = kl; k *= -coef; k += scores``."""
+
+    name = "kl-in-place"
+
+    def apply_kl_in_reward(self, *, token_level_scores, old_log_probs, ref_log_probs,
+                           response_mask, kl_coef, kl_penalty):
+        kl = kl_estimate(old_log_probs, ref_log_probs, kl_penalty) * response_mask
+        rewards = kl                        # the bug: an alias, not a copy
+        rewards *= -kl_coef
+        rewards += token_level_scores
+        return rewards, kl
+
+
+class PerMicroBatchNorm(ReferenceAdapter):
+    """Loss normalised by the micro-batch's own token/sequence counts: the global denominators
+    are accepted and ignored."""
+
+    name = "per-micro-norm"
+
+    def agg_loss(self, *, loss_mat, mask, mode, denominators=None):
+        return super().agg_loss(loss_mat=loss_mat, mask=mask, mode=mode)
+
+    def policy_loss(self, *, denominators=None, **kw):
+        return super().policy_loss(**kw)
+
+
+class IgnoresClipHigh(ReferenceAdapter):
+    """An ignored config flag: ``clip_ratio_high`` is dropped, the lower epsilon used for both."""
+
+    name = "ignores-clip-high"
+
+    def policy_loss(self, *, clip_ratio_low, clip_ratio_high, **kw):
+        return super().policy_loss(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_low,
+                                   **kw)
+
+
+class HardCodedPaddingKeys(ReferenceAdapter):
+    """SkyRL PR #1811: padding micro-batches built from a hard-coded key list, so optional fields
+    (rollout_log_probs, ...) are missing on them."""
+
+    name = "hard-coded-padding-keys"
+    KEYS = ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths", "response_mask",
+            "uid", "old_log_probs", "advantages")
+
+    def make_microbatches(self, batch, **kw):
+        ranks = super().make_microbatches(batch, **kw)
+        return [[mb.without(*[k for k in mb.keys() if k not in self.KEYS])
+                 if is_padding_microbatch(mb) else mb for mb in rank] for rank in ranks]
+
+
+class NoPaddingMicrobatches(ReferenceAdapter):
+    """Ranks keep however many micro-batches their shard needs (no padding micro-batches)."""
+
+    name = "no-padding"
+
+    def make_microbatches(self, batch, **kw):
+        return [[mb for mb in rank if not is_padding_microbatch(mb)]
+                for rank in super().make_microbatches(batch, **kw)]
+
+
+class DropsLastRow(ReferenceAdapter):
+    """An off-by-one: the last row of every rank's last micro-batch is lost."""
+
+    name = "drops-last-row"
+
+    def make_microbatches(self, batch, **kw):
+        ranks = super().make_microbatches(batch, **kw)
+        out = []
+        for rank in ranks:
+            real = [i for i, mb in enumerate(rank) if not is_padding_microbatch(mb)]
+            last = real[-1]
+            rank = list(rank)
+            rank[last] = rank[last].select(range(len(rank[last]) - 1))
+            out.append(rank)
+        return out
+
+
+class NestedIndexingDistill(ReferenceAdapter):
+    """verl PR #5997: the distillation loss selects valid tokens with boolean indexing, which
+    works on padded tensors and fails on nested (jagged) ones."""
+
+    name = "nested-indexing-distill"
+
+    def distill_loss(self, *, name, student, teacher, mask=None):
+        m = (torch.ones(student.shape[:2], dtype=torch.bool) if mask is None else mask.bool())
+        s, t = student[m], teacher[m]                       # the bug: fails on nested input
+        if name == "forward_kl_topk":
+            vals = (t.exp() * (t - s)).sum(-1)
+        else:
+            vals = kl_estimate(s, t, "k3")
+        out = torch.zeros(m.shape, dtype=student.dtype)
+        return out.masked_scatter(m, vals)
+
+
+class GroupsByPosition(ReferenceAdapter):
+    """Advantages grouped by row position (rows i*n .. i*n+n-1 form a group) instead of uid."""
+
+    name = "groups-by-position"
+
+    def compute_advantages(self, *, uid, **kw):
+        n = max(len(uid) // max(int(uid.unique().numel()), 1), 1)
+        return super().compute_advantages(uid=torch.arange(len(uid)) // n, **kw)
+
+
+class MaskedValuesLeak(ReferenceAdapter):
+    """token-mean written as ``loss.sum() / mask.sum()``: per-token losses on masked positions
+    leak into the result (harmless only while those positions happen to hold zeros)."""
+
+    name = "masked-values-leak"
+    loss_agg_modes = ("token-mean",)
+    loss_modes = ("vanilla",)
+
+    def policy_loss(self, *, old_log_prob, log_prob, advantages, response_mask, loss_mode,
+                    loss_agg_mode, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+                    denominators=None):
+        everything = torch.ones_like(response_mask, dtype=torch.bool)
+        pol = compute_policy_loss(loss_mode, old_log_prob=old_log_prob, log_prob=log_prob,
+                                  advantages=advantages, mask=everything,
+                                  clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                  clip_ratio_c=clip_ratio_c)
+        tokens = denominators.tokens if denominators is not None else float(response_mask.sum())
+        return pol.loss_mat.sum() / max(tokens, 1.0), {}
+
+
+class MutatesRewards(ReferenceAdapter):
+    """Zeroes masked rewards in place on the caller's tensor (``rewards.mul_(mask)``)."""
+
+    name = "mutates-rewards"
+
+    def compute_advantages(self, *, token_level_rewards, response_mask, **kw):
+        token_level_rewards.mul_(response_mask)
+        return super().compute_advantages(token_level_rewards=token_level_rewards,
+                                          response_mask=response_mask, **kw)
+
+
+class AliasedAdvantagesReturns(ReferenceAdapter):
+    """Returns the same tensor as advantages and returns (a later in-place update of one, e.g.
+    by a critic, silently changes the other)."""
+
+    name = "aliased-outputs"
+    #: outcome estimators, whose returns equal their advantages (so only the aliasing is wrong)
+    advantage_estimators = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+
+    def compute_advantages(self, **kw):
+        adv, _ = super().compute_advantages(**kw)
+        return adv, adv
+
+
+class MetricsViewBuffer(ReferenceAdapter):
+    """Metrics returned as views of a buffer that the next call overwrites in place."""
+
+    name = "metrics-view-buffer"
+
+    def __init__(self):
+        self._buf = torch.zeros(8, dtype=torch.float64)
+
+    def policy_loss(self, **kw):
+        loss, metrics = super().policy_loss(**kw)
+        self._buf.zero_()
+        names = sorted(metrics)
+        for i, name in enumerate(names):
+            self._buf[i] = metrics[name].detach()
+        return loss, {name: self._buf[i] for i, name in enumerate(names)}
+
+
+class NaNAdvantages(ReferenceAdapter):
+    """NaN on the first valid token (a division by a zero count somewhere)."""
+
+    name = "nan-advantages"
+
+    def compute_advantages(self, **kw):
+        adv, ret = super().compute_advantages(**kw)
+        adv = adv.clone()
+        valid = kw["response_mask"].nonzero()
+        if len(valid):
+            adv[tuple(valid[0])] = float("nan")
+        return adv, ret
+
+
+# ---- train_step (ToyTrainer with one changed policy) -------------------------------------------
+
+class _EntropyOnlyInLoss(toy.ToyTrainer):
+    def wants_entropy(self):                 # verl PR #6016: calculate_entropy ignored
+        return self.cfg.entropy_coeff != 0
+
+
+class _PostClipGradNorm(toy.ToyTrainer):
+    def clip_gradients(self):                # the norm is measured after clipping
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return float(torch.nn.utils.get_total_norm(
+            [p.grad for p in self.model.parameters() if p.grad is not None]))
+
+
+class _PerMicroMean(toy.ToyTrainer):
+    def normaliser(self, mini_counts, micro, num_micros):
+        """Mean per micro-batch, then averaged over micro-batches (gradient accumulation)."""
+        local = toy.counts_of(micro, mini_counts["norm_len"])
+        return {"tokens": local["tokens"] * num_micros, "seqs": local["seqs"] * num_micros,
+                "norm_len": mini_counts["norm_len"]}
+
+
+class _MetricsInReusedBuffer(toy.ToyTrainer):
+    def step(self, data):                    # metrics are views of a buffer the next step reuses
+        metrics, derived = super().step(data)
+        names = sorted(metrics)
+        if not hasattr(self, "_buf"):
+            self._buf = torch.zeros(len(names), dtype=torch.float64)
+        for i, name in enumerate(names):
+            self._buf[i] = float(metrics[name])
+        return {name: self._buf[i] for i, name in enumerate(names)}, derived
+
+
+class _IgnoresAggMode(toy.ToyTrainer):
+    def __init__(self, model, cfg, ref_model=None):
+        cfg.loss_agg_mode = "token-mean"       # loss_agg_mode from the config is dropped
+        super().__init__(model, cfg, ref_model)
+
+
+class _ClampsScoresInPlace(toy.ToyTrainer):
+    def step(self, data):
+        data["scores"].clamp_(-10.0, 10.0)   # writes into the caller's batch
+        return super().step(data)
+
+
+def toy_with(trainer_class, name: str) -> type:
+    """A ToyAdapter subclass that runs ``trainer_class``."""
+    return type(f"Toy_{name}", (ToyAdapter,), {"trainer_class": trainer_class, "name": name})
+
+
+EntropyNotLogged = toy_with(_EntropyOnlyInLoss, "entropy-not-logged")
+GradNormAfterClip = toy_with(_PostClipGradNorm, "grad-norm-after-clip")
+PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
+MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
+IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
+MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
+
+
+class MetricsOnly(ToyAdapter):
+    """A correct trainer whose adapter returns metrics only (no tensors, parameters or
+    micro-batches): invariants that need those are n/a, never passed."""
+
+    name = "metrics-only"
+
+    def train_step(self, **kw):
+        out = super().train_step(**kw)
+        return type(out)(metrics=out.metrics)
+
+
+class OnlyAdvantages:
+    """A third-party adapter with a single stage and no base class."""
+
+    name = "only-advantages"
+
+    def compute_advantages(self, **kw):
+        return ReferenceAdapter().compute_advantages(**kw)
+

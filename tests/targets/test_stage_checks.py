@@ -1,0 +1,165 @@
+"""Stage checks: the reference adapter passes every one (no false alarms), and each deliberately
+broken adapter is caught by the check made for its bug and by no unrelated check of its stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import broken_adapters as broken
+from rlaudit.scenarios.result import FAIL, NA, PASS
+from rlaudit.targets.checks import STAGE_CHECKS, run_stage_checks
+from rlaudit.targets.reference import ReferenceAdapter
+
+MATH_STAGES = ["compute_advantages", "apply_kl_in_reward", "kl_penalty", "agg_loss",
+               "policy_loss", "make_microbatches", "distill_loss"]
+
+
+def statuses(adapter, stages):
+    res = run_stage_checks(adapter, stages=stages)
+    return {c.invariant: c for c in res.checks}
+
+
+def test_reference_adapter_passes_every_stage_check():
+    checks = statuses(ReferenceAdapter(), MATH_STAGES)
+    bad = {k: c.message for k, c in checks.items() if c.status != PASS}
+    assert not bad
+    want = {c.name for c in STAGE_CHECKS.values() if c.stage in MATH_STAGES}
+    assert set(checks) == want and len(want) >= 20
+
+
+# adapter, stages run, checks that must fail, checks that must pass
+CAUGHT = [
+    (broken.StoredKLInPlace, ["apply_kl_in_reward"],
+     ["apply_kl_in_reward:stored-kl-unaltered", "apply_kl_in_reward:no-mutation"],
+     ["apply_kl_in_reward:parity"]),
+    (broken.PerMicroBatchNorm, ["agg_loss", "policy_loss"],
+     ["agg_loss:global-split", "policy_loss:global-split"],
+     ["agg_loss:parity", "policy_loss:parity", "policy_loss:row-permutation",
+      "policy_loss:masked-values", "policy_loss:metrics-are-copies", "policy_loss:no-mutation"]),
+    (broken.IgnoresClipHigh, ["policy_loss"], ["policy_loss:parity"],
+     ["policy_loss:global-split", "policy_loss:row-permutation", "policy_loss:masked-values",
+      "policy_loss:metrics-are-copies", "policy_loss:no-mutation"]),
+    (broken.HardCodedPaddingKeys, ["make_microbatches"], ["make_microbatches:padding-complete"],
+     ["make_microbatches:tokens-exactly-once", "make_microbatches:equal-count-per-rank",
+      "make_microbatches:no-mutation"]),
+    (broken.NoPaddingMicrobatches, ["make_microbatches"],
+     ["make_microbatches:equal-count-per-rank"],
+     ["make_microbatches:tokens-exactly-once", "make_microbatches:padding-complete"]),
+    (broken.DropsLastRow, ["make_microbatches"], ["make_microbatches:tokens-exactly-once"],
+     ["make_microbatches:equal-count-per-rank", "make_microbatches:padding-complete"]),
+    (broken.NestedIndexingDistill, ["distill_loss"], ["distill_loss:nested-matches-padded"],
+     ["distill_loss:parity", "distill_loss:no-mutation"]),
+    (broken.GroupsByPosition, ["compute_advantages"],
+     ["compute_advantages:parity", "compute_advantages:row-permutation"],
+     ["compute_advantages:masked-values", "compute_advantages:no-mutation"]),
+    (broken.MaskedValuesLeak, ["policy_loss"], ["policy_loss:masked-values"],
+     ["policy_loss:parity", "policy_loss:global-split", "policy_loss:row-permutation",
+      "policy_loss:no-mutation"]),
+    (broken.MutatesRewards, ["compute_advantages"], ["compute_advantages:no-mutation"],
+     ["compute_advantages:parity", "compute_advantages:row-permutation",
+      "compute_advantages:masked-values"]),
+    (broken.AliasedAdvantagesReturns, ["compute_advantages"], ["compute_advantages:no-mutation"],
+     ["compute_advantages:parity", "compute_advantages:row-permutation",
+      "compute_advantages:masked-values"]),
+    (broken.MetricsViewBuffer, ["policy_loss"], ["policy_loss:metrics-are-copies"],
+     ["policy_loss:parity", "policy_loss:global-split", "policy_loss:row-permutation",
+      "policy_loss:masked-values", "policy_loss:no-mutation"]),
+    (broken.NaNAdvantages, ["compute_advantages"], ["compute_advantages:parity"], []),
+]
+
+
+@pytest.mark.parametrize("cls, stages, fails, passes", CAUGHT, ids=[c[0].name for c in CAUGHT])
+def test_broken_adapter_is_caught(cls, stages, fails, passes):
+    checks = statuses(cls(), stages)
+    for name in fails:
+        assert checks[name].status == FAIL, (name, checks[name].message)
+        assert checks[name].message
+    for name in passes:
+        assert checks[name].status == PASS, (name, checks[name].message)
+
+
+def test_messages_name_the_problem():
+    checks = statuses(broken.StoredKLInPlace(), ["apply_kl_in_reward"])
+    assert "stored kl" in checks["apply_kl_in_reward:stored-kl-unaltered"].message
+    assert "share storage" in checks["apply_kl_in_reward:no-mutation"].message
+    checks = statuses(broken.HardCodedPaddingKeys(), ["make_microbatches"])
+    msg = checks["make_microbatches:padding-complete"].message
+    assert "rollout_log_probs" in msg and "missing" in msg
+    checks = statuses(broken.NaNAdvantages(), ["compute_advantages"])
+    assert "non-finite" in checks["compute_advantages:parity"].message
+
+
+def test_a_stage_not_provided_is_na_never_pass():
+    checks = statuses(broken.OnlyAdvantages(), None)
+    for name, c in checks.items():
+        if name.startswith("compute_advantages:"):
+            assert c.status == PASS, (name, c.message)
+        else:
+            assert c.status == NA, (name, c.status)
+            assert "does not provide" in c.message
+
+
+class _GrpoOnly(ReferenceAdapter):
+    name = "grpo-only"
+
+    def compute_advantages(self, *, estimator, **kw):
+        if estimator != "grpo":
+            raise NotImplementedError(estimator)
+        return super().compute_advantages(estimator=estimator, **kw)
+
+
+class _NothingSupported(ReferenceAdapter):
+    name = "nothing-supported"
+
+    def kl_penalty(self, **kw):
+        raise NotImplementedError("no KL here")
+
+
+def test_not_implemented_names_are_skipped_not_passed():
+    c = statuses(_GrpoOnly(), ["compute_advantages"])["compute_advantages:parity"]
+    assert c.status == PASS and "gae" in c.details["skipped"] and "grpo" not in c.details["skipped"]
+    c = statuses(_NothingSupported(), ["kl_penalty"])
+    assert c["kl_penalty:parity"].status == NA
+    assert c["kl_penalty:no-mutation"].status == PASS  # calls were made, nothing was written
+
+
+def test_declared_names_restrict_and_unknown_names_are_input_errors():
+    from rlaudit.errors import InputError
+
+    class Declared(ReferenceAdapter):
+        name = "declared"
+        kl_estimators = ("low_var_kl",)     # an alias of k3 is accepted
+
+    c = statuses(Declared(), ["kl_penalty"])["kl_penalty:parity"]
+    assert c.status == PASS and c.message.startswith("8 ")   # 4 cases x (value, gradient)
+
+    class Typo(ReferenceAdapter):
+        name = "typo"
+        loss_agg_modes = ("token_mean",)
+
+    with pytest.raises(InputError, match="loss_agg_modes"):
+        run_stage_checks(Typo(), stages=["agg_loss"])
+
+
+def test_stage_checks_leave_cases_untouched():
+    """A mutating adapter must not corrupt the inputs other checks use (the guard copies)."""
+    from rlaudit.targets.checks import StageEnv, advantages_parity
+    env = StageEnv(broken.MutatesRewards())
+    before = [c["token_level_rewards"].clone() for c in env.cases]
+    with_garbage = [torch.where(c.mask, c["token_level_rewards"], 7.0) for c in env.cases]
+    for c, g in zip(env.cases, with_garbage):
+        c.tensors["token_level_rewards"] = g
+    advantages_parity(env)
+    for c, g in zip(env.cases, with_garbage):
+        assert torch.equal(c["token_level_rewards"], g)
+    assert len(before) == len(env.cases)
+
+
+def test_toy_example_passes_its_stage_checks():
+    from examples.toy_trainer.adapter import ToyAdapter
+    checks = statuses(ToyAdapter(), MATH_STAGES)
+    for name, c in checks.items():
+        want = NA if name.startswith("distill_loss:") else PASS     # ToyTrainer has no distill
+        assert c.status == want, (name, c.message)
+    assert checks["compute_advantages:parity"].details == {}        # grpo is all it declares
