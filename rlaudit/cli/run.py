@@ -49,6 +49,11 @@ def run(args) -> int:
         from rlaudit.targets.runner import run_target
         results = run_target(args.target, scenario_names=args.scenarios, all_=args.all,
                              scenarios_dir=args.scenarios_dir)
+        if not args.json:
+            from rlaudit.report.console import render_result
+            for res in results:
+                print(render_result(res), flush=True)
+                print(flush=True)
     else:
         from rlaudit.scenarios.engine import run_scenario
         from rlaudit.scenarios.spec import load_scenario

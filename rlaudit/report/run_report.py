@@ -66,13 +66,21 @@ def failures(res: ScenarioResult) -> list[str]:
 
 # ---- plot --------------------------------------------------------------------------------------
 
+#: metrics plotted per scenario (besides any that fail their golden)
+PLOTTED_METRICS = ("actor/pg_loss", "actor/loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl",
+                   "actor/pg_clipfrac", "actor/kl_loss", "critic/vf_loss", "critic/score/mean")
+
+
 def plot_metrics(res: ScenarioResult) -> bytes | None:
     """PNG grid: one subplot per golden-compared metric, value over steps per backend, with the
     golden value +/- its tolerance (of the first backend that has one) as a grey error bar."""
-    names = golden_names({n for steps in res.metrics.values() for s in steps for n in s})
+    logged = golden_names({n for steps in res.metrics.values() for s in steps for n in s})
+    failing = {r["metric"] for r in golden_rows(res) if not r.get("ok")}
+    # the headline metrics plus every failing one: dozens of subplots per scenario cost seconds
+    # each to lay out and say less than the golden table next to them
+    names = [n for n in logged if n in PLOTTED_METRICS or n in failing]
     if not names:
         return None
-    failing = {r["metric"] for r in golden_rows(res) if not r.get("ok")}
     band: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
     for g in res.golden:
         for r in g.rows:

@@ -16,6 +16,7 @@ from rlaudit.config import flatten, to_dict
 from rlaudit.backends.registry import get_backend
 from rlaudit.data.io import load_rollout
 from rlaudit.errors import InputError, RlauditError
+from rlaudit.update.step import select_groups
 from rlaudit.scenarios import golden as golden_mod
 from rlaudit.scenarios.invariants import INVARIANTS
 from rlaudit.scenarios.invariants.base import CheckContext, base_variant
@@ -38,7 +39,7 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
     megatron-core not installed) are reported as n/a for every invariant, never as passed."""
     t0 = time.perf_counter()
-    batch = load_rollout(scn.rollout)
+    batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
     names = list(scn.backends) if backends is None else backends
     for b in names:
         if b not in scn.backends and b != "reference":

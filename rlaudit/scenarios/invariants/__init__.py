@@ -4,7 +4,8 @@
     INVARIANTS.get("stored-kl-unaltered").doc
 """
 
-from rlaudit.scenarios.invariants import health, identities, metamorphic, parity, seeds  # noqa: F401
+from rlaudit.scenarios.invariants import (health, identities, metamorphic, parity,  # noqa: F401
+                                           reward, seeds)
 from rlaudit.scenarios.invariants.base import INVARIANTS, CheckContext, Invariant
 
 __all__ = ["INVARIANTS", "CheckContext", "Invariant"]

@@ -29,6 +29,14 @@ class CheckContext:
     errors: dict[str, str] = field(default_factory=dict)
     variants: list[Variant] = field(default_factory=list)
 
+    def variant(self, name: str) -> Variant | None:
+        return next((v for v in self.variants if v.name == name), None)
+
+    def mask(self, variant: str) -> torch.Tensor:
+        """The response mask of the batch ``variant`` ran on (variants may permute or widen it)."""
+        v = self.variant(variant)
+        return self.batch.mask if v is None else v.batch.mask
+
     def backends(self) -> list[str]:
         return list(self.runs)
 
@@ -124,6 +132,9 @@ def compare_tensors(name: str, got: torch.Tensor, want: torch.Tensor, tol: Toler
     err = (got - want).abs()
     bound = tol.atol + tol.rtol * want.abs()
     excess = torch.where(mask, err - bound, torch.full_like(err, -float("inf")))
+    # NaN/inf where the expectation is finite is a failure (NaN > bound would be False)
+    nonfinite = mask & ~torch.isfinite(got) & torch.isfinite(want)
+    excess = torch.where(nonfinite, torch.full_like(err, float("inf")), excess)
     bad = excess > 0
     worst_abs = float(torch.where(mask, err, torch.zeros_like(err)).max()) if got.numel() else 0.0
     details = {"max_abs_diff": worst_abs}

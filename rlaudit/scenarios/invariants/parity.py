@@ -25,7 +25,7 @@ def _parity(ctx: CheckContext, name: str, backends: list[str]):
         common = [v for v in ctx.runs[b]
                   if ctx.run(b, v) is not None and ctx.run(ORACLE, v) is not None]
         for v in common:
-            c = compare_runs(ctx.scenario, ctx.runs[b][v], oracle[v], mask=ctx.batch.mask,
+            c = compare_runs(ctx.scenario, ctx.runs[b][v], oracle[v], mask=ctx.mask(v),
                              label=f"variant {v}")
             drift = max(drift, c.drift)
             if not c.ok:
