@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("scenarios", nargs="*", help="scenario names or files")
     p.add_argument("--all", action="store_true", help="every scenario under --scenarios-dir")
     p.add_argument("--backend", action="append", dest="backends", metavar="NAME",
-                   help="run only this backend (repeatable; default: each scenario's own)")
+                   help="check only this backend (repeatable; the reference backend always runs "
+                        "as the parity oracle; default: each scenario's backends)")
     p.add_argument("--target", metavar="MODULE:ADAPTER",
                    help="audit your own trainer through an adapter (see docs/targets.md)")
     p.add_argument("--json", action="store_true", help="print results as JSON on stdout")
@@ -38,6 +39,13 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds a multi-rank backend may take per scenario (default: %(default)s)")
     p.set_defaults(func=run)
+
+
+def _with_oracle(backends: list[str] | None) -> list[str] | None:
+    """--backend fsdp means "check fsdp": the reference backend runs too, as the parity oracle."""
+    if backends is None:
+        return None
+    return list(dict.fromkeys(["reference", *backends]))
 
 
 def argparse_bless_help() -> str:
@@ -66,7 +74,8 @@ def run(args) -> int:
         for scn in scenarios:
             if not args.json:
                 print(f"running {scn.name} ...", file=sys.stderr, flush=True)
-            res = run_scenario(scn, backends=args.backends, golden_dir=args.golden_dir,
+            res = run_scenario(scn, backends=_with_oracle(args.backends),
+                               golden_dir=args.golden_dir,
                                bless=args.bless, timeout=args.timeout)
             results.append(res)
             if not args.json:

@@ -40,17 +40,25 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     megatron-core not installed) are reported as n/a for every invariant, never as passed."""
     t0 = time.perf_counter()
     batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
-    names = list(scn.backends) if backends is None else backends
+    names = list(scn.backends) if backends is None else list(backends)
+    from rlaudit.backends.registry import backend_names
     for b in names:
-        if b not in scn.backends and b != "reference":
-            raise InputError(f"scenario {scn.name} does not configure backend {b!r} (it has: "
-                             f"{', '.join(scn.backends)})", source=str(scn.path), key="backends")
+        if b not in backend_names():
+            raise InputError(f"unknown backend {b!r}; valid: {', '.join(backend_names())}",
+                             key="--backend")
+    # a backend the scenario does not lay out is skipped (reported n/a), so --all --backend X
+    # runs X wherever the scenarios configure it
+    skipped = [b for b in names if b not in scn.backends and b != "reference"]
+    names = [b for b in names if b not in skipped]
     variants = build_variants(scn, batch)
-    res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names,
+    res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names + skipped,
                          config=flatten(to_dict(scn.config)),
-                         layouts={b: dict(scn.backends.get(b, {})) for b in names},
+                         layouts={b: dict(scn.backends.get(b, {})) for b in names + skipped},
                          dtype=scn.dtype, device=scn.device, tags=list(scn.tags),
                          provenance=environment(scn))
+    for b in skipped:
+        res.checks.append(CheckResult("*", b, NA, f"scenario {scn.name} does not configure "
+                                                  f"backend {b}"))
     runs = {}
     for b in names:
         backend = get_backend(b)

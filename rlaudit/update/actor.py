@@ -140,7 +140,9 @@ def _forward_rows(ctx, batch, cfg, spec, keys):
                       use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
                       max_token_len=cfg.actor.ppo_max_token_len_per_gpu,
                       norm_len=float(batch.response_width))
-    results = ctx.forward_backward(plan.micros[: plan.num_real], spec, None)
+    # every rank runs every micro-batch, padding ones included: a sharded model's forward is a
+    # collective (FSDP all-gathers parameters), so skipping passes on one rank desynchronises all
+    results = ctx.forward_backward(plan.micros, spec, None)[: plan.num_real]
     out = []
     for key in keys:
         parts = [r["outputs"][key] for r in results if key in r["outputs"]]

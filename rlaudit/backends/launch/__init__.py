@@ -63,6 +63,7 @@ function or a test raises :class:`~rlaudit.errors.InputError` naming ``fn``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -131,7 +132,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
                        threads_per_rank, rank_env) for r in range(world_size)]
         group = RankGroup(specs, payload)
         try:
-            group.start()
+            with _no_main_reimport(fn):
+                group.start()
             group.stop(group.supervise(timeout))
         finally:
             group.kill_all()
@@ -216,6 +218,26 @@ def _check_env(env: Mapping[str, str] | None) -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def _no_main_reimport(fn):
+    """Spawn re-imports the parent's ``__main__`` in every rank (running an unguarded script a
+    second time, failing outright for ``python -`` or a notebook). When ``fn`` lives in a real
+    module the ranks do not need ``__main__`` at all: hide it from multiprocessing while the
+    ranks start, so library callers need no ``if __name__ == "__main__"`` guard."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(fn, "__module__", None) == "__main__":
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    try:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def _pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any] | None) -> bytes:
     """Pickle ``(fn, args, kwargs)`` now, so that what spawn cannot carry fails here, clearly."""
     if not callable(fn):
@@ -231,8 +253,8 @@ def _pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, An
     if getattr(fn, "__module__", None) == "__main__" and main_file is None:
         raise InputError(f"{name} is defined in an interactive session, which a spawned rank "
                          "cannot import; put it in a module", source=_SOURCE, key="fn")
-    if main_file is not None and getattr(main, "__spec__", None) is None \
-            and not os.path.exists(main_file):
+    if getattr(fn, "__module__", None) == "__main__" and main_file is not None \
+            and getattr(main, "__spec__", None) is None and not os.path.exists(main_file):
         # spawn re-runs the main script in every rank and would fail on e.g. '<stdin>'
         raise InputError(f"the main script {main_file!r} is not a file, so spawned ranks cannot "
                          "start; run the launching code from a file, a module or pytest",
