@@ -24,7 +24,7 @@ def pytest_addoption(parser):
     group.addoption("--rlaudit-backend", action="append", default=None, metavar="NAME",
                     help="only items for this backend (repeatable)")
     group.addoption("--rlaudit-golden-dir", default="golden", metavar="DIR",
-                    help="golden files directory (default: %(default)s)")
+                    help="golden files directory, relative to the rootdir (default: %(default)s)")
     group.addoption("--rlaudit-bless", action="store_true",
                     help="regenerate golden files from this run (items still fail)")
 
@@ -33,8 +33,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "rlaudit_scenario: an rlaudit scenario item")
 
 
-def _is_scenario(path: Path) -> bool:
-    if path.suffix not in (".yaml", ".yml") or {"models", "rollouts"} & set(path.parts):
+def _is_scenario(path: Path, root: Path | None = None) -> bool:
+    """``root``: the rootdir; only models/ and rollouts/ *below* it are data directories (a
+    checkout that lives under some ``.../models/...`` keeps its scenarios)."""
+    parts = path.parts
+    if root is not None and path.is_relative_to(root):
+        parts = path.relative_to(root).parts
+    if path.suffix not in (".yaml", ".yml") or {"models", "rollouts"} & set(parts[:-1]):
         return False
     try:
         import yaml
@@ -45,7 +50,7 @@ def _is_scenario(path: Path) -> bool:
 
 
 def pytest_collect_file(file_path: Path, parent):
-    if _is_scenario(Path(file_path)):
+    if _is_scenario(Path(file_path), Path(parent.config.rootpath)):
         return ScenarioFile.from_parent(parent, path=file_path)
     return None
 
@@ -80,14 +85,18 @@ class ScenarioItem(pytest.Item):
         ok, why = get_backend(self.backend).available()
         if not ok:
             pytest.skip(f"backend {self.backend} unavailable: {why}")
+        from rlaudit.scenarios.golden import compare_or_bless
         backends = ["reference"] if self.backend == "reference" else ["reference", self.backend]
-        res = run_scenario(self.scenario, backends=backends,
-                           golden_dir=self.config.getoption("rlaudit_golden_dir"),
-                           bless=self.config.getoption("rlaudit_bless"))
+        res = run_scenario(self.scenario, backends=backends, golden_dir=None)
         # the reference backend's own item reports its checks; this item reports its backend's
         res.checks = [c for c in res.checks if c.backend in (self.backend, "*")
                       or (self.backend == "reference")]
-        res.golden = [g for g in res.golden if g.backend == self.backend]
+        if self.backend in res.runs:  # goldens of this item's backend only: no xdist races
+            golden_dir = Path(self.config.getoption("rlaudit_golden_dir"))
+            if not golden_dir.is_absolute():
+                golden_dir = Path(self.config.rootpath) / golden_dir
+            res.golden = compare_or_bless(self.scenario, {self.backend: res.runs[self.backend]},
+                                          golden_dir, bless=self.config.getoption("rlaudit_bless"))
         if not res.passed:
             raise ScenarioFailed(render_result(res))
 

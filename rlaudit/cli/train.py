@@ -50,6 +50,12 @@ def run(args) -> int:
         job.checkpoint_dir = args.checkpoint_dir
     if args.resume:
         job.resume = True
+    if job.resume and not job.checkpoint_dir:
+        raise InputError("resuming needs a checkpoint directory (checkpoint_dir in the config or "
+                         "--checkpoint-dir)", source=None if args.resume else args.config,
+                         key="--resume" if args.resume else "resume")
+    if args.metrics_out:
+        Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
     out = open(args.metrics_out, "a") if args.metrics_out else None
 
     def on_step(step, metrics):

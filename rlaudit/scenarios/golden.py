@@ -58,8 +58,12 @@ def provenance(scn: Scenario) -> dict:
 
 
 def _tol(scn: Scenario, name: str) -> Tolerance:
+    """The scenario's own tolerance for ``name`` (or its ``default``), else the golden default
+    for the dtype (looser than same-machine parity: goldens travel across machines)."""
     if name in scn.tolerances:
         return scn.tolerances[name]
+    if "default" in scn.tolerances:
+        return scn.tolerances["default"]
     rtol, atol = GOLDEN_TOLERANCES[scn.dtype]
     return Tolerance(rtol, atol)
 
@@ -93,6 +97,39 @@ def write_json_atomic(path: Path, doc: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_golden(path: Path) -> dict:
+    """Load and check a golden file's structure (it is hand-editable): InputError naming the file
+    and the key of the first malformed entry."""
+    from rlaudit.errors import InputError
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"golden file is not valid JSON: {e}", source=str(path)) from None
+
+    def bad(key, msg):
+        raise InputError(msg, source=str(path), key=key)
+    if not isinstance(doc, dict):
+        bad(None, "expected a JSON object at the top level")
+    if not isinstance(doc.get("provenance", {}), dict):
+        bad("provenance", "expected an object")
+    if not isinstance(doc.get("backends", {}), dict):
+        bad("backends", "expected an object backend@device -> {steps: [...]}")
+    for key, entry in doc.get("backends", {}).items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("steps"), list):
+            bad(f"backends.{key}", "expected an object with a list 'steps'")
+        for i, step in enumerate(entry["steps"]):
+            if not isinstance(step, dict):
+                bad(f"backends.{key}.steps[{i}]", "expected an object metric -> {value, rtol, atol}")
+            for name, w in step.items():
+                where = f"backends.{key}.steps[{i}].{name}"
+                if not isinstance(w, dict) or not {"value", "rtol", "atol"} <= set(w):
+                    bad(where, "expected an object with value, rtol and atol")
+                for k in ("value", "rtol", "atol"):
+                    if isinstance(w[k], bool) or not isinstance(w[k], (int, float)):
+                        bad(f"{where}.{k}", f"expected a number, got {w[k]!r}")
+    return doc
 
 
 def compare(golden: dict, metrics_by_step: list[dict[str, float]]
@@ -137,19 +174,15 @@ def compare_or_bless(scn: Scenario, runs: dict, golden_dir: Path, *, bless: bool
     if bless:
         doc = golden_document(scn, runs)
         if path.exists():  # keep other backends' entries (e.g. GPU ones) when blessing a subset
-            old = json.loads(path.read_text())
+            old = read_golden(path)
             doc["backends"] = {**old.get("backends", {}), **doc["backends"]}
         write_json_atomic(path, doc)
-        obtained_path(golden_dir, scn).unlink(missing_ok=True)
+        _update_obtained(golden_dir, scn, runs, failing=set())
         return [GoldenResult(b, "blessed", f"wrote {path}") for b in runs]
     if not path.exists():
         return [GoldenResult(b, "missing", f"no golden file {path}; create it with "
                                            f"`rlaudit golden bless {scn.name}`") for b in runs]
-    try:
-        golden = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        from rlaudit.errors import InputError
-        raise InputError(f"golden file is not valid JSON: {e}", source=str(path)) from None
+    golden = read_golden(path)
     prov = provenance(scn)
     stale = [k for k in ("model_sha", "rollout_sha")
              if golden.get("provenance", {}).get(k) != prov[k]]
@@ -173,8 +206,27 @@ def compare_or_bless(scn: Scenario, runs: dict, golden_dir: Path, *, bless: bool
                                         f"{first['message']}", mismatches, worst, rows))
         else:
             results.append(GoldenResult(backend, "pass", "", [], worst, rows))
-    if obtained:
-        write_json_atomic(obtained_path(golden_dir, scn), golden_document(scn, runs))
-    else:
-        obtained_path(golden_dir, scn).unlink(missing_ok=True)
+    _update_obtained(golden_dir, scn, runs, failing=set(obtained))
     return results
+
+
+def _update_obtained(golden_dir: Path, scn: Scenario, runs: dict, *, failing: set[str]) -> None:
+    """``<scenario>.obtained.json`` holds the obtained values of every backend whose last
+    comparison failed: this call's backends are replaced (kept if failing, dropped if not),
+    other backends' entries stay (items of one scenario may run apart, e.g. under xdist). The
+    file is removed once no backend is failing."""
+    path = obtained_path(golden_dir, scn)
+    compared = {backend_key(b, scn.device) for b in runs}
+    kept = {}
+    if path.exists():
+        try:
+            kept = {k: v for k, v in json.loads(path.read_text()).get("backends", {}).items()
+                    if k not in compared}
+        except (json.JSONDecodeError, AttributeError):
+            kept = {}  # an unreadable obtained file is only a debugging aid: start afresh
+    doc = golden_document(scn, runs) if failing else {"scenario": scn.name, "backends": {}}
+    backends = {**kept, **{k: v for k, v in doc["backends"].items() if k in failing}}
+    if backends:
+        write_json_atomic(path, {**doc, "backends": backends})
+    else:
+        path.unlink(missing_ok=True)

@@ -97,9 +97,11 @@ def load_scenario(path: str | Path) -> Scenario:
     if not path.exists():
         raise InputError("scenario file does not exist", source=src)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise InputError(f"not valid YAML: {e}", source=src) from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"not a UTF-8 text file: {e}", source=src) from None
     return scenario_from_dict(data, path=path)
 
 
@@ -131,6 +133,7 @@ def scenario_from_dict(data: Any, *, path: Path) -> Scenario:
     device = data.get("device", "cpu")
     _expect(device in ("cpu", "cuda"), f"expected cpu or cuda, got {device!r}", src, "device")
 
+    _expect(isinstance(data.get("config") or {}, dict), "expected a mapping", src, "config")
     cfg_data = dict(data.get("config") or {})
     cfg_data.setdefault("trainer", {})
     _expect(isinstance(cfg_data["trainer"], dict), "expected a mapping", src, "config.trainer")
@@ -147,6 +150,9 @@ def scenario_from_dict(data: Any, *, path: Path) -> Scenario:
     _expect(isinstance(desc, str), "expected a string", src, "description")
     name = data.get("name", path.stem)
     _expect(isinstance(name, str) and name, "expected a non-empty string", src, "name")
+    # the name becomes golden/<name>.json: it must not point anywhere else
+    _expect(not set(name) & {"/", "\\"} and name not in (".", ".."),
+            f"expected a file-name-safe string (no path separators), got {name!r}", src, "name")
     return Scenario(name=name, path=path, description=desc.strip(), model=model,
                     ref_model=ref_model, rollout=rollout,
                     config=config, backends=backends, invariants=invariants, steps=steps,

@@ -17,6 +17,7 @@ one (weights and optimizer state come from the checkpoint).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,8 @@ JOB_KEYS = {"model", "task", "checkpoint_dir", "save_freq", "resume"}
 
 
 class FilterExhausted(RlauditError):
-    """Dynamic sampling could not fill the train batch within max_num_gen_batches."""
-
-    exit_code = 1
+    """Dynamic sampling could not fill the train batch within max_num_gen_batches: the config
+    (batch sizes, filter metric, task) cannot produce a training batch — exit code 2."""
 
 
 @dataclass
@@ -64,6 +64,12 @@ class TrainJob:
             raise InputError("expected a mapping at the top level", source=source)
         job = {k: v for k, v in data.items() if k in JOB_KEYS}
         rest = {k: v for k, v in data.items() if k not in JOB_KEYS}
+        config_keys = {f.name for f in dataclasses.fields(Config)}
+        for key in rest:  # name the job keys too, not only the config sections
+            if key not in config_keys:
+                raise InputError(f"unknown key; valid keys here: "
+                                 f"{', '.join(sorted(JOB_KEYS | config_keys))}",
+                                 source=source, key=str(key))
         for key in ("model", "task"):
             if not isinstance(job.get(key), str):
                 raise InputError(f"required; expected a string", source=source, key=key)
@@ -78,6 +84,10 @@ class TrainJob:
         resume = job.get("resume", False)
         if not isinstance(resume, bool):
             raise InputError("expected true/false", source=source, key="resume")
+        checkpoint_dir = job.get("checkpoint_dir")
+        if checkpoint_dir is not None and not (isinstance(checkpoint_dir, str) and checkpoint_dir):
+            raise InputError("expected a directory path string", source=source,
+                             key="checkpoint_dir")
         return cls(model=str(model), task=job["task"], config=cfg,
                    checkpoint_dir=job.get("checkpoint_dir"), save_freq=save_freq, resume=resume,
                    source=source)
@@ -179,7 +189,7 @@ class Trainer:
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", leave=False)
-        while self.step < total:
+        while self.step < cfg.trainer.total_steps:  # re-read: a callback may shorten the run
             t0 = time.perf_counter()
             batch, gen_metrics = self.collect_batch(self.step)
             t_gen = time.perf_counter() - t0
@@ -209,10 +219,9 @@ class Trainer:
         backend, vLLM and scenarios can load."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        model = self.actor.model
-        dtype = next(model.parameters()).dtype
-        model.to(torch.float32).save_pretrained(out, safe_serialization=True)
-        model.to(dtype)
+        # a float32 copy: casting the live actor there and back would round float64 weights
+        copy.deepcopy(self.actor.model).to(torch.float32).save_pretrained(
+            out, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
         return out
 

@@ -179,7 +179,18 @@ class TorchContext:
             (loss * scale).backward()
             results.append({"outputs": {k: v.detach() for k, v in out.items()},
                             "stats": {k: v.detach() for k, v in stats.items()}})
+        if loss_fn is None:
+            self._reshard()
         return results
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root's parameters unsharded after a forward with no backward (it
+        expects one). While unsharded, ``model.parameters()`` yields the unsharded tensors, so a
+        later ``zero_grad`` misses the sharded gradients and the next backward accumulates onto
+        the previous step's: reshard explicitly after forward-only passes."""
+        reshard = getattr(self.model, "reshard", None)
+        if callable(reshard):
+            reshard()
 
     # ---- optimizer ---------------------------------------------------------------------------
     def _params(self):
@@ -200,6 +211,9 @@ class TorchContext:
         return float(total)
 
     def zero_grad(self) -> None:
+        # the optimizer holds the parameters it steps (sharded ones under FSDP2): clear those
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
     @property
