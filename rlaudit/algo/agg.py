@@ -83,6 +83,19 @@ AggFn = Callable[[torch.Tensor, torch.Tensor, Denominators], torch.Tensor]
 AGG_MODES: Registry[AggFn] = Registry("loss aggregation mode")
 
 
+def bool_mask(mask, shape) -> torch.Tensor:
+    """``mask`` as a bool tensor of ``shape`` (bool, or 0/1 numbers); raises InputError naming
+    ``mask`` for a wrong shape or values other than 0/1. Every algo function takes masks this way."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
+        raise InputError(f"expected shape {tuple(shape)}, got {tuple(getattr(mask, 'shape', ()))}",
+                         key="mask")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise InputError("a non-bool mask must hold only 0 and 1", key="mask")
+    return mask != 0
+
+
 def _as_bool_mask(mask: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
         raise InputError("expected a tensor [B, R] (bool or 0/1)", key="mask")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rlaudit.algo.agg import masked_mean
+from rlaudit.algo.agg import bool_mask, masked_mean
 from rlaudit.algo import kl as kl_estimators
 from rlaudit.errors import InputError
 
@@ -25,18 +25,6 @@ def _check_float(name: str, t, shape=None) -> None:
                          key=name)
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise InputError(f"expected shape {tuple(shape)}, got {tuple(t.shape)}", key=name)
-
-
-def _bool_mask(mask, shape) -> torch.Tensor:
-    """``mask`` as a bool tensor of ``shape`` (bool, or 0/1 numbers); raises InputError."""
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
-        raise InputError(f"expected shape {tuple(shape)}, got {tuple(getattr(mask, 'shape', ()))}",
-                         key="mask")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
-        raise InputError("a non-bool mask must hold only 0 and 1", key="mask")
-    return mask != 0
 
 
 def place_scores(scores: torch.Tensor, response_lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -96,7 +84,7 @@ def apply_kl_in_reward(token_level_scores: torch.Tensor, old_log_probs: torch.Te
     shape = token_level_scores.shape
     _check_float("old_log_probs", old_log_probs, shape)
     _check_float("ref_log_probs", ref_log_probs, shape)
-    m = _bool_mask(mask, shape)
+    m = bool_mask(mask, shape)
     # Zero both log-probs under mask 0 first so no NaN/inf there reaches the estimator.
     old = torch.where(m, old_log_probs, 0.0)
     ref = torch.where(m, ref_log_probs, 0.0)
@@ -113,6 +101,6 @@ def kl_in_reward_metrics(kl: torch.Tensor, mask: torch.Tensor, *,
     ``actor/reward_kl_penalty``: token-mean of ``kl_coef * kl`` (same denominator).
     Both 0.0 when no token is valid.
     """
-    m = _bool_mask(mask, kl.shape)
+    m = bool_mask(mask, kl.shape)
     mean_kl = float(masked_mean(torch.where(m, kl, 0.0), m))
     return {"rollout/kl": mean_kl, "actor/reward_kl_penalty": float(kl_coef) * mean_kl}

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from rlaudit.algo.agg import masked_max, masked_mean
+from rlaudit.algo.agg import bool_mask, masked_max, masked_mean
 from rlaudit.algo.kl import kl_penalty
 from rlaudit.errors import InputError
 
@@ -37,18 +37,6 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> Non
     if a.shape != b.shape:
         raise InputError(f"expected shape {tuple(a.shape)} (as {names[0]}), got {tuple(b.shape)}",
                          key=names[1])
-
-
-def _bool_mask(mask, shape) -> torch.Tensor:
-    """``mask`` as a bool tensor of ``shape`` (bool, or 0/1 numbers); raises InputError."""
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
-        raise InputError(f"expected shape {tuple(shape)}, got {tuple(getattr(mask, 'shape', ()))}",
-                         key="mask")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
-        raise InputError("a non-bool mask must hold only 0 and 1", key="mask")
-    return mask != 0
 
 
 def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
@@ -73,7 +61,7 @@ def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         tokens whose (token's or sequence's) weight exceeded ``threshold``.
     """
     _check_pair(old_log_probs, rollout_log_probs, ("old_log_probs", "rollout_log_probs"))
-    m = _bool_mask(mask, old_log_probs.shape)
+    m = bool_mask(mask, old_log_probs.shape)
     if level not in LEVELS:
         raise InputError(f"expected one of {', '.join(LEVELS)}, got {level!r}",
                          key="actor.rollout_correction.rollout_is")
@@ -114,7 +102,7 @@ def rollout_kl_loss_mat(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor
     _check_pair(log_probs, rollout_log_probs, ("log_probs", "rollout_log_probs"))
     if mask is None:
         return kl_penalty(log_probs, rollout_log_probs, kind)
-    m = _bool_mask(mask, log_probs.shape)
+    m = bool_mask(mask, log_probs.shape)
     lp = torch.where(m, log_probs, 0.0)
     rlp = torch.where(m, rollout_log_probs, 0.0)
     return torch.where(m, kl_penalty(lp, rlp, kind), 0.0)
@@ -139,7 +127,7 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
     Every value is 0.0 when no token is valid. Args: [B, R] each; mask bool or 0/1.
     """
     _check_pair(old_log_probs, rollout_log_probs, ("old_log_probs", "rollout_log_probs"))
-    m = _bool_mask(mask, old_log_probs.shape)
+    m = bool_mask(mask, old_log_probs.shape)
     with torch.no_grad():
         old = torch.where(m, old_log_probs.detach(), 0.0)
         rollout = torch.where(m, rollout_log_probs.detach(), 0.0)
@@ -165,7 +153,7 @@ def is_metrics(weights: torch.Tensor, truncated: torch.Tensor, mask: torch.Tenso
     ``rollout_corr/is_clipfrac`` (token level: truncated mask-1 tokens / N_tok; sequence level:
     truncated rows / rows with >= 1 mask-1 token). Inputs as returned by
     :func:`rollout_is_weights`; 0.0 when nothing is valid."""
-    m = _bool_mask(mask, weights.shape)
+    m = bool_mask(mask, weights.shape)
     if tuple(truncated.shape) != tuple(weights.shape) or truncated.dtype != torch.bool:
         raise InputError(f"expected a bool tensor of shape {tuple(weights.shape)}, got "
                          f"{truncated.dtype} {tuple(truncated.shape)}", key="truncated")

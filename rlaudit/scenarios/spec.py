@@ -221,3 +221,28 @@ def discover(root: str | Path) -> list[Path]:
     root = Path(root)
     return sorted(p for p in root.rglob("*.yaml")
                   if not {"models", "rollouts"} & set(p.relative_to(root).parts[:-1]))
+
+
+def resolve(names: list[str], *, all_: bool, root: str | Path) -> list[Path]:
+    """Scenario names (file stems) or paths, or with ``all_`` every scenario under ``root``."""
+    root = Path(root)
+    found = {p.stem: p for p in discover(root)} if root.is_dir() else {}
+    if all_:
+        if names:
+            raise InputError("give scenario names or --all, not both")
+        if not found:
+            raise InputError(f"no scenario files under {root}", source=str(root))
+        return list(found.values())
+    if not names:
+        raise InputError("name at least one scenario (see `rlaudit list`) or pass --all")
+    out = []
+    for n in names:
+        p = Path(n)
+        if p.suffix in (".yaml", ".yml") and p.is_file():
+            out.append(p)
+        elif n in found:
+            out.append(found[n])
+        else:
+            raise InputError(f"no scenario named {n!r} under {root} (known: "
+                             f"{', '.join(sorted(found)) or 'none'})", key=n)
+    return out

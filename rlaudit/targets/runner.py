@@ -66,7 +66,10 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
         from rlaudit.scenarios.spec import load_scenario
         scenarios = [load_scenario(p) for p in _resolve(scenario_names or [], all_,
                                                         scenarios_dir)]
-        plans = [(s, lambda s=s: load_rollout(s.rollout)) for s in scenarios]
+        from rlaudit.update.step import select_groups
+        # the same rows the scenario engine replays (DAPO group filter applied when enabled)
+        plans = [(s, lambda s=s: select_groups(load_rollout(s.rollout), s.config)[0])
+                 for s in scenarios]
     else:
         ref = builtin.tiny_model_path(scenarios_dir, "llama")
         plans = [(builtin.scenario(model, invariants, ref_model_path=ref),
@@ -219,27 +222,12 @@ def _provenance(scn: Scenario, batch, target: str) -> dict:
 
 
 def _resolve(names: list[str], all_: bool, scenarios_dir: str | Path) -> list[Path]:
-    """Scenario names (file stems) or paths, or every scenario under ``scenarios_dir``."""
-    from rlaudit.scenarios.spec import discover
-    root = Path(scenarios_dir)
-    found = {p.stem: p for p in discover(root)} if root.is_dir() else {}
-    if all_:
-        if names:
-            raise InputError("give scenario names or --all, not both")
-        if not found:
-            raise InputError(f"no scenario files under {root}", source=str(root))
-        return list(found.values())
-    out = []
-    for n in names:
-        p = Path(n)
-        if p.suffix in (".yaml", ".yml") and p.is_file():
-            out.append(p)
-        elif n in found:
-            out.append(found[n])
-        else:
-            raise InputError(f"no scenario named {n!r} under {root} (known: "
-                             f"{', '.join(sorted(found)) or 'none'})", key=n)
-    return out
+    """Scenario names (file stems) or paths, or every scenario under ``scenarios_dir``; unlike
+    the CLI, no names and no --all means the built-in scenario (an empty list)."""
+    from rlaudit.scenarios.spec import resolve
+    if not names and not all_:
+        return []
+    return resolve(names, all_=all_, root=scenarios_dir)
 
 
 __all__ = ["run_target", "run_target_scenario", "check_invariant"]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlaudit.data.batch import RolloutBatch
+from rlaudit.update import collectives
 from rlaudit.update import forward as fwd
 from rlaudit.update.plan import describe_micro
 
@@ -117,26 +118,13 @@ class TorchContext:
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        out = t.detach().clone().to(self.device)
-        if self.dp_size > 1:
-            dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                     "min": dist.ReduceOp.MIN}[op], group=self.group)
-        return out
+        return collectives.all_reduce(t, op, group=self.group, size=self.dp_size,
+                                      device=self.device)
 
     def all_gather_rows(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape except dim 0, which may differ), rank order."""
-        t = t.detach().contiguous().to(self.device)
-        if self.dp_size == 1:
-            return [t.clone()]
-        n = torch.tensor([t.shape[0]], device=self.device)
-        sizes = [torch.zeros_like(n) for _ in range(self.dp_size)]
-        dist.all_gather(sizes, n, group=self.group)
-        width = int(max(s.item() for s in sizes))
-        padded = torch.zeros((width, *t.shape[1:]), dtype=t.dtype, device=self.device)
-        padded[: t.shape[0]] = t
-        bufs = [torch.empty_like(padded) for _ in range(self.dp_size)]
-        dist.all_gather(bufs, padded, group=self.group)
-        return [b[: int(s.item())] for b, s in zip(bufs, sizes)]
+        return collectives.all_gather_rows(t, group=self.group, size=self.dp_size,
+                                           device=self.device)
 
     # ---- model -------------------------------------------------------------------------------
     def _outputs(self, micro: RolloutBatch, spec: ForwardSpec) -> dict:

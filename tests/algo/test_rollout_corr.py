@@ -98,6 +98,8 @@ def test_weights_match_naive(batch, threshold, level):
                 continue
             raw = math.exp(seq if level == "sequence" else old[i, t].item() - rollout[i, t].item())
             cut = threshold is not None and raw > threshold
+            if threshold is not None and abs(raw - threshold) <= 1e-12 * threshold:
+                continue  # a tie: summation order may put the weight on either side
             assert bool(trunc[i, t]) == cut
             assert w[i, t].item() == pytest.approx(threshold if cut else raw, rel=1e-12)
 

@@ -88,13 +88,14 @@ def _actor_context(checkpoint, variant: Variant, *, dtype, device, pad_id):
     from rlaudit.backends.megatron.context import (CONFIG_OVERRIDES, MegatronContext,
                                                    finalize_grads_without_token_scaling)
     from rlaudit.backends.megatron.convert import load_hf_weights
-    from rlaudit.backends.megatron.model import build_gpt_model
+    from rlaudit.backends.megatron.model import build_gpt_model, freeze_padding_embedding
 
     hf_config, hf_sd = checkpoint
     optim = variant.config.actor.optim
     dist_opt = optim.name == "adamw" and dtype != torch.float64  # float64: not accepted by it
     model = build_gpt_model(hf_config, dtype=dtype, overrides=CONFIG_OVERRIDES).to(device)
     load_hf_weights(model, hf_sd, hf_config)
+    freeze_padding_embedding(model, hf_config)  # HF's padding_idx semantics (the reference's)
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=dtype == torch.bfloat16,
                                             overlap_grad_reduce=False,
                                             use_distributed_optimizer=dist_opt)

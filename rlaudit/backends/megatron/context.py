@@ -53,13 +53,13 @@ from rlaudit.backends.megatron.vocab_parallel import (vocab_parallel_log_probs_a
                                                       vocab_parallel_logprobs_entropy)
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
+from rlaudit.update import collectives
 from rlaudit.update import forward as fwd
 from rlaudit.update.context import ForwardSpec, LossFn
 from rlaudit.update.plan import describe_micro
 
 #: megatron's (and torch's clip_grad_norm_) epsilon in the clip coefficient max_norm / (norm + eps)
 CLIP_EPS = 1.0e-6
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 #: model config overrides every rlaudit GPTModel gets (see the module docstring: gradient scale)
 CONFIG_OVERRIDES = {"calculate_per_token_loss": True}
 
@@ -121,25 +121,13 @@ class MegatronContext:
     # ---- collectives over the data-parallel group ---------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """A reduced copy of ``t`` over the DP group (TP/PP peers hold identical values)."""
-        out = t.detach().clone().to(self.device)
-        if self.dp_size > 1:
-            dist.all_reduce(out, op=_REDUCE_OPS[op], group=self._dp_group)
-        return out
+        return collectives.all_reduce(t, op, group=self._dp_group, size=self.dp_size,
+                                      device=self.device)
 
     def all_gather_rows(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every DP rank's ``t`` (same shape except dim 0, which may differ), DP-rank order."""
-        t = t.detach().contiguous().to(self.device)
-        if self.dp_size == 1:
-            return [t.clone()]
-        n = torch.tensor([t.shape[0]], device=self.device)
-        sizes = [torch.zeros_like(n) for _ in range(self.dp_size)]
-        dist.all_gather(sizes, n, group=self._dp_group)
-        width = int(max(s.item() for s in sizes))
-        padded = torch.zeros((width, *t.shape[1:]), dtype=t.dtype, device=self.device)
-        padded[: t.shape[0]] = t
-        bufs = [torch.empty_like(padded) for _ in range(self.dp_size)]
-        dist.all_gather(bufs, padded, group=self._dp_group)
-        return [b[: int(s.item())] for b, s in zip(bufs, sizes)]
+        return collectives.all_gather_rows(t, group=self._dp_group, size=self.dp_size,
+                                           device=self.device)
 
     # ---- forward / backward -------------------------------------------------------------------
     def forward_backward(self, micros: list[RolloutBatch], spec: ForwardSpec,

@@ -223,6 +223,32 @@ def build_gpt_model(hf_config: Any, *, dtype: torch.dtype = torch.float32,
     return model.to(dtype)
 
 
+def freeze_padding_embedding(model, hf_config) -> None:
+    """Give megatron's word embedding HF's ``padding_idx`` semantics: the embedding row of
+    ``pad_token_id`` never receives a gradient.
+
+    HF Qwen2/Llama build ``nn.Embedding(vocab, hidden, padding_idx=pad_token_id)``, whose row for
+    the pad token gets a zero gradient even where that token is a real input (a sampled pad
+    token, or a pad that doubles as EOS, as Qwen's ``<|endoftext|>`` does); megatron's
+    VocabParallelEmbedding has no such row and trains it. Found by backend-parity on rollouts
+    whose responses contain the pad token. Each TP rank zeroes the row if it holds it; only the
+    first pipeline stage has the embedding."""
+    pad = getattr(hf_config, "pad_token_id", None)
+    emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if pad is None or emb is None:
+        return
+    start = int(getattr(emb, "vocab_start_index", 0))
+    end = int(getattr(emb, "vocab_end_index", emb.weight.shape[0]))
+    if not start <= int(pad) < end:
+        return
+    row = int(pad) - start
+
+    def zero_pad_row(grad):
+        return grad.index_fill(0, torch.tensor([row], device=grad.device), 0.0)
+
+    emb.weight.register_hook(zero_pad_row)
+
+
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
     """HF-style padding mask -> megatron's attention mask.
 
