@@ -102,6 +102,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     _read_config(folder)
     weight_files(folder)
     from transformers import AutoModelForCausalLM  # after the checks: errors come fast
+    from transformers.utils import logging as hf_logging
+
+    # no "Loading weights" bars: noise in every rank's log, and tqdm's multiprocessing lock
+    # leaks a semaphore from every spawned rank (ranks leave with os._exit)
+    hf_logging.disable_progress_bar()
 
     try:
         model, info = AutoModelForCausalLM.from_pretrained(

@@ -202,7 +202,7 @@ def render_html(results: list[ScenarioResult], pngs: dict[str, bytes]) -> str:
 
 def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str]) -> str:
     passed = sum(r.passed for r in results)
-    out = [f"# rlaudit run report", "",
+    out = ["# rlaudit run report", "",
            f"**{passed}/{len(results)} scenarios passed** "
            f"({sum(r.seconds for r in results):.1f}s)", "",
            R.md_table(["scenario", "verdict", "backends"],

@@ -72,7 +72,7 @@ class TrainJob:
                                  source=source, key=str(key))
         for key in ("model", "task"):
             if not isinstance(job.get(key), str):
-                raise InputError(f"required; expected a string", source=source, key=key)
+                raise InputError("required; expected a string", source=source, key=key)
         cfg = load_config(rest, source=source)
         get_task(job["task"], source=source)
         model = Path(job["model"])

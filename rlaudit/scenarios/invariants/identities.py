@@ -8,8 +8,6 @@ loss has a closed form in the advantages that is recomputed here by a naive loop
 
 from __future__ import annotations
 
-import torch
-
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
                                                not_applicable, result)
 from rlaudit.scenarios.invariants.naive import naive_agg
@@ -212,5 +210,3 @@ def grad_norm_identity(ctx: CheckContext):
                           drift=abs(logged - applied) / max(applied, 1e-12)))
     return out
 
-
-__all__ = ["torch"]

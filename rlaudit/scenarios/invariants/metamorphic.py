@@ -4,11 +4,8 @@ inputs."""
 
 from __future__ import annotations
 
-import torch
-
 from rlaudit.data.transforms import append_padding, permute_rows_within_blocks, perturb_masked
-from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
-                                               not_applicable, result)
+from rlaudit.scenarios.invariants.base import CheckContext, base_variant, invariant, result
 from rlaudit.scenarios.invariants.compare import compare_runs
 
 
@@ -179,5 +176,3 @@ def _merge(results):
         prev.drift = max(prev.drift or 0.0, r.drift or 0.0)
     return list(by_backend.values())
 
-
-__all__ = ["torch"]

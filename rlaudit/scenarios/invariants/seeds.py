@@ -6,7 +6,7 @@ from rlaudit.algo.kl import kl_penalty
 from rlaudit.algo.reward import place_scores
 from rlaudit.data.batch import Kind
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, compare_tensors,
-                                               invariant, not_applicable, result)
+                                               invariant, result)
 from rlaudit.scenarios.invariants.compare import compare_runs
 from rlaudit.scenarios.invariants.naive import naive_agg
 from rlaudit.update.step import sequence_scores
