@@ -121,8 +121,9 @@ class ActorConfig:
     shuffle: bool = False
     grad_clip: float = 1.0
     """Clip the global grad norm to this; <= 0 disables clipping (the norm is still logged)."""
-    logprob_chunk_size: int = 1024
-    """Rows of logits processed at once by the chunked log-prob/entropy."""
+    logprob_chunk_size: int = 256
+    """Rows of logits processed at once by the chunked log-prob/entropy (extra memory ~ 1.25 x
+    chunk x vocab x 4 bytes; see benchmarks/logprob_entropy.py)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)

@@ -48,7 +48,7 @@ class ForwardSpec:
     kind: str = "logprobs"
     temperature: float = 1.0
     calc_entropy: bool = False
-    chunk_size: int = 1024
+    chunk_size: int = 256
     topk_field: str | None = None
 
 
