@@ -28,10 +28,11 @@ CUT_LENGTHS = (6, 3, 1, 5, 0, 6, 2, 4)
 SEED = 0
 #: invariants not run against targets: nested-matches-padded is a stage check here
 SKIPPED_INVARIANTS = ("nested-matches-padded",)
-#: Hugging Face's float64 models keep RoPE, RMSNorm's variance and the attention softmax in
-#: float32 (rlaudit/model/load.py), so the same row in another batch composition (micro-batch
-#: size, padding, row order, another trainer's layout) moves by ~1e-7 relative; the bugs these
-#: invariants exist for move results by 1e-3 and more.
+#: A third-party trainer usually runs stock Hugging Face models, whose float64 mode keeps RoPE,
+#: RMSNorm's variance and the attention softmax in float32 (rlaudit's own backends do not: see
+#: rlaudit/model/exact.py), so the same row in another batch composition (micro-batch size,
+#: padding, row order, another layout) moves by ~1e-7 relative; the bugs these invariants exist
+#: for move results by 1e-3 and more.
 TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
 
 CONFIG = {

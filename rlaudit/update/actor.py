@@ -23,11 +23,9 @@ from rlaudit.algo.policy_loss import compute_policy_loss
 from rlaudit.algo.rollout_corr import rollout_kl_loss_mat
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
-from rlaudit.data.batching import split_minibatches
 from rlaudit.errors import InputError
 from rlaudit.update.context import ForwardSpec, ParallelContext
-from rlaudit.update.plan import plan_micro, rank_shard
-from rlaudit.update.stats import MetricAccumulator
+from rlaudit.update.plan import optimizer_steps, plan_micro, rank_shard
 
 
 def required_actor_fields(cfg: Config) -> list[str]:
@@ -167,28 +165,14 @@ def update_actor(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dict
     the optimizer steps; grad_norm is the pre-clip norm averaged over optimizer steps."""
     act = cfg.actor
     check_fields(batch, required_actor_fields(cfg), "the actor update")
-    spec = actor_forward_spec(cfg, for_update=True)
-    mb_rows = act.ppo_mini_batch_size * cfg.rollout.n
-    norm_len = float(act.loss_scale_factor or batch.response_width)
-    acc = MetricAccumulator()
-    for epoch in range(act.ppo_epochs):
-        minibatches = split_minibatches(batch, min(mb_rows, len(batch)), shuffle=act.shuffle,
-                                        seed=cfg.trainer.seed + epoch)
-        for mb in minibatches:
-            shard = rank_shard(ctx, mb, balance=cfg.trainer.balance_batch)
-            plan = plan_micro(ctx, shard, micro_batch_size=act.ppo_micro_batch_size_per_gpu,
-                              use_dynamic_bsz=act.use_dynamic_bsz,
-                              max_token_len=act.ppo_max_token_len_per_gpu, norm_len=norm_len,
-                              extra_padding=cfg.trainer.extra_padding_microbatches)
-            ctx.zero_grad()
-            results = ctx.forward_backward(plan.micros, spec,
-                                           partial(actor_loss, cfg=cfg, denom=plan.denom))
-            step_stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
-            grad_norm = ctx.clip_and_step(act.grad_clip)
-            step_stats["actor/grad_norm"] = grad_norm
-            step_stats["actor/lr"] = ctx.lr
-            step_stats["actor/num_microbatches"] = float(len(plan.micros))
-            if act.use_kl_loss:
-                step_stats["actor/kl_coef"] = act.kl_loss_coef
-            acc.add_step(step_stats)
-    return acc.mean()
+
+    def extra(plan) -> dict:
+        out = {"actor/num_microbatches": float(len(plan.micros))}
+        if act.use_kl_loss:
+            out["actor/kl_coef"] = act.kl_loss_coef
+        return out
+
+    return optimizer_steps(ctx, batch, cfg, role="actor", epochs=act.ppo_epochs,
+                           micro_batch_size=act.ppo_micro_batch_size_per_gpu,
+                           spec=actor_forward_spec(cfg, for_update=True), loss=actor_loss,
+                           grad_clip=act.grad_clip, extra=extra)

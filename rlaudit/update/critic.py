@@ -15,11 +15,9 @@ from rlaudit.algo.agg import Denominators, agg_loss
 from rlaudit.algo.value_loss import value_loss
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
-from rlaudit.data.batching import split_minibatches
 from rlaudit.update.actor import _forward_rows, check_fields
 from rlaudit.update.context import ForwardSpec, ParallelContext
-from rlaudit.update.plan import plan_micro, rank_shard
-from rlaudit.update.stats import MetricAccumulator
+from rlaudit.update.plan import optimizer_steps
 
 VALUE_SPEC = ForwardSpec(kind="values")
 
@@ -49,23 +47,6 @@ def update_critic(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dic
     rollout.n`` rows, as in verl), each one optimizer step."""
     crit = cfg.critic
     check_fields(batch, ["values", "returns"], "the critic update")
-    mb_rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-    norm_len = float(cfg.actor.loss_scale_factor or batch.response_width)
-    acc = MetricAccumulator()
-    for epoch in range(crit.ppo_epochs):
-        for mb in split_minibatches(batch, min(mb_rows, len(batch)), shuffle=cfg.actor.shuffle,
-                                    seed=cfg.trainer.seed + epoch):
-            shard = rank_shard(ctx, mb, balance=cfg.trainer.balance_batch)
-            plan = plan_micro(ctx, shard, micro_batch_size=crit.ppo_micro_batch_size_per_gpu,
-                              use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
-                              max_token_len=cfg.actor.ppo_max_token_len_per_gpu, norm_len=norm_len,
-                              extra_padding=cfg.trainer.extra_padding_microbatches)
-            ctx.zero_grad()
-            results = ctx.forward_backward(plan.micros, VALUE_SPEC,
-                                           partial(critic_loss, cfg=cfg, denom=plan.denom))
-            stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
-            grad_norm = ctx.clip_and_step(crit.grad_clip)
-            stats["critic/grad_norm"] = grad_norm
-            stats["critic/lr"] = ctx.lr
-            acc.add_step(stats)
-    return acc.mean()
+    return optimizer_steps(ctx, batch, cfg, role="critic", epochs=crit.ppo_epochs,
+                           micro_batch_size=crit.ppo_micro_batch_size_per_gpu, spec=VALUE_SPEC,
+                           loss=critic_loss, grad_clip=crit.grad_clip)

@@ -9,13 +9,17 @@ that form an optimizer step do not depend on the number of ranks (DP-size invari
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 
 from rlaudit.algo.agg import Denominators
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.data.batching import (is_padding_microbatch, microbatches_by_count,
-                                   microbatches_by_tokens, pad_microbatch_list, shard_for_dp)
+                                   microbatches_by_tokens, pad_microbatch_list, shard_for_dp,
+                                   split_minibatches)
+from rlaudit.update.stats import MetricAccumulator
 
 
 @dataclass
@@ -65,3 +69,38 @@ def describe_micro(micro: RolloutBatch) -> dict:
         "fields": {k: [micro.kinds[k].value, str(v.dtype).replace("torch.", ""),
                        list(v.shape[1:])] for k, v in sorted(micro.tensors.items())},
     }
+
+
+def optimizer_steps(ctx, batch: RolloutBatch, cfg, *, role: str, epochs: int,
+                    micro_batch_size: int, spec, loss, grad_clip: float,
+                    extra: Callable[[MicroPlan], dict] | None = None) -> dict[str, float]:
+    """The update loop of every role: ``epochs`` x global mini-batches of
+    ``actor.ppo_mini_batch_size * rollout.n`` rows (verl's unit, in prompts), each one optimizer
+    step: this rank's shard -> micro-batches (+ padding ones) -> forward/backward of
+    ``loss(micro, outputs, cfg=, denom=)`` -> global grad norm, clip, step.
+
+    Returns the metrics averaged over optimizer steps: the loss's stats (summed over micro-batches
+    and ranks: global mini-batch values), ``<role>/grad_norm`` (pre-clip), ``<role>/lr``, and
+    whatever ``extra(plan)`` adds per step."""
+    act = cfg.actor
+    mb_rows = min(act.ppo_mini_batch_size * cfg.rollout.n, len(batch))
+    norm_len = float(act.loss_scale_factor or batch.response_width)
+    acc = MetricAccumulator()
+    for epoch in range(epochs):
+        for mb in split_minibatches(batch, mb_rows, shuffle=act.shuffle,
+                                    seed=cfg.trainer.seed + epoch):
+            shard = rank_shard(ctx, mb, balance=cfg.trainer.balance_batch)
+            plan = plan_micro(ctx, shard, micro_batch_size=micro_batch_size,
+                              use_dynamic_bsz=act.use_dynamic_bsz,
+                              max_token_len=act.ppo_max_token_len_per_gpu, norm_len=norm_len,
+                              extra_padding=cfg.trainer.extra_padding_microbatches)
+            ctx.zero_grad()
+            results = ctx.forward_backward(plan.micros, spec,
+                                           partial(loss, cfg=cfg, denom=plan.denom))
+            stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
+            stats[f"{role}/grad_norm"] = ctx.clip_and_step(grad_clip)
+            stats[f"{role}/lr"] = ctx.lr
+            if extra is not None:
+                stats.update(extra(plan))
+            acc.add_step(stats)
+    return acc.mean()
