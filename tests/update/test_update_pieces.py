@@ -1,0 +1,115 @@
+"""The shared update step's pieces, against hand-worked layouts and naive loops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rlaudit.algo.agg import Denominators
+from rlaudit.config import load_config
+from rlaudit.data.batch import RolloutBatch
+from rlaudit.scenarios.invariants.naive import naive_agg
+from rlaudit.update import forward as fwd
+from rlaudit.update.actor import actor_loss
+from rlaudit.update.context import TorchContext
+from rlaudit.update.plan import plan_micro
+
+PAD = 99
+
+
+def _batch(prompts, responses, r_width, **fields):
+    b = len(prompts)
+    p_width = max(len(p) for p in prompts)
+    pids = torch.full((b, p_width), PAD)
+    rids = torch.full((b, r_width), PAD)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        pids[i, :len(p)] = torch.tensor(p)
+        rids[i, :len(r)] = torch.tensor(r, dtype=torch.long) if r else rids[i, :0]
+    rl = torch.tensor([len(r) for r in responses])
+    mask = torch.arange(r_width)[None] < rl[:, None]
+    return RolloutBatch.from_tensors(dict(prompt_ids=pids, prompt_lengths=torch.tensor(
+        [len(p) for p in prompts]), response_ids=rids, response_lengths=rl, response_mask=mask,
+        uid=torch.arange(b), **fields))
+
+
+def test_build_inputs_hand_worked_layout():
+    batch = _batch([[5, 6], [1]], [[7, 8, 9], [2]], r_width=3)
+    inp = fwd.build_inputs(batch, pad_id=PAD)
+    assert inp.input_ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, PAD, PAD, PAD]]
+    assert inp.attention_mask.tolist() == [[True] * 5, [True, True, False, False, False]]
+    assert inp.position_ids.tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert inp.labels.tolist() == [[6, 7, 8, 9, 0], [2, PAD, PAD, PAD, 0]]
+    # response token t of row i is predicted at position prompt_len - 1 + t
+    assert inp.gather_index.tolist() == [[1, 2, 3], [0, 1, 2]]
+    assert inp.valid.tolist() == [[True] * 3, [True, False, False]]
+    per_pos = torch.arange(10, dtype=torch.float64).view(2, 5)
+    assert fwd.response_gather(per_pos, inp).tolist() == [[1.0, 2.0, 3.0], [5.0, 0.0, 0.0]]
+    # the label at each response position is the response token itself
+    labels = fwd.response_gather(inp.labels, inp)
+    assert labels[0].tolist() == [7, 8, 9] and labels[1, 0].item() == 2
+
+
+def _random_batch(seed: int, b: int = 6, r: int = 5):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(50) for _ in range(rng.randint(1, 3))] for _ in range(b)]
+    responses = [[rng.randrange(50) for _ in range(rng.randint(0, r))] for _ in range(b)]
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(b, r, generator=g, dtype=torch.float64) * 3
+    adv = torch.randn(b, r, generator=g, dtype=torch.float64)
+    ent = torch.rand(b, r, generator=g, dtype=torch.float64) * 2
+    batch = _batch(prompts, responses, r, old_log_probs=lp, advantages=adv)
+    mask = batch.mask
+    return batch, lp * mask, adv * mask, ent * mask
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_actor_loss_contributions_sum_to_the_whole_batch(mode):
+    batch, lp, adv, ent = _random_batch(3)
+    cfg = load_config({"actor": {"loss_agg_mode": mode, "calculate_entropy": True,
+                                 "entropy_coeff": 0.0}})
+    denom = Denominators.of(batch.mask, norm_len=batch.response_width)
+    total, entropy = 0.0, 0.0
+    for rows in ([0, 1], [2], [3, 4, 5]):  # an uneven cut
+        micro = batch.select(rows)
+        loss, stats = actor_loss(micro, {"log_probs": lp[rows], "entropy": ent[rows]}, cfg=cfg,
+                                 denom=denom)
+        total += float(loss)
+        entropy += float(stats["actor/entropy"])
+    # on-policy (log_prob == old): vanilla PPO's per-token loss is -A
+    assert total == pytest.approx(naive_agg(-adv, batch.mask, mode), abs=1e-12)
+    assert entropy == pytest.approx(naive_agg(ent, batch.mask, mode), abs=1e-12)
+
+
+def test_entropy_coefficient_semantics():
+    """SEEDS.md §1: computed when either knob asks; in the loss only with a coefficient."""
+    batch, lp, adv, ent = _random_batch(5)
+    denom = Denominators.of(batch.mask)
+    out = {"log_probs": lp, "entropy": ent}
+
+    def run(**actor):
+        return actor_loss(batch, out, cfg=load_config({"actor": actor}), denom=denom)
+
+    base_loss, base = run(calculate_entropy=False, entropy_coeff=0.0)
+    assert "actor/entropy" not in base
+    loss0, s0 = run(calculate_entropy=True, entropy_coeff=0.0)
+    assert "actor/entropy" in s0 and float(loss0) == float(base_loss)
+    loss1, s1 = run(calculate_entropy=False, entropy_coeff=0.1)
+    want_ent = naive_agg(ent, batch.mask, "token-mean")
+    assert float(s1["actor/entropy"]) == pytest.approx(want_ent, abs=1e-12)
+    assert float(loss1) == pytest.approx(float(base_loss) - 0.1 * want_ent, abs=1e-12)
+
+
+def test_plan_micro_padding_and_global_denominators():
+    batch, *_ = _random_batch(7, b=5)
+    ctx = TorchContext(torch.nn.Linear(1, 1))
+    plan = plan_micro(ctx, batch, micro_batch_size=2, use_dynamic_bsz=False, max_token_len=0,
+                      norm_len=5.0, extra_padding=2)
+    assert plan.num_real == 3 and len(plan.micros) == 5
+    assert [len(m) for m in plan.micros[:3]] == [2, 2, 1]
+    for pad in plan.micros[3:]:
+        assert set(pad.keys()) == set(batch.keys()) and not pad.mask.any()
+    valid_rows = sum(1 for i in range(len(batch)) if batch.mask[i].any())
+    assert plan.denom.tokens == int(batch.mask.sum()) and plan.denom.seqs == valid_rows
