@@ -99,6 +99,20 @@ def test_parity_with_reference(runs, variant):
         assert float((f.params[step] - r.params[step]).abs().max()) <= ATOL
 
 
+def test_dp1_parity_with_reference():
+    """FSDP2 on one rank (fully_shard with a 1-device mesh) is the reference, bit for bit."""
+    variants = [v for v in _variants() if v.name in ("grpo", "gae")]
+    request = ReplayRequest(model=MODEL, variants=variants, layout={"dp": 1}, dtype="float64",
+                            timeout=600)
+    fsdp = FSDPBackend().replay(request)
+    ref = ReferenceBackend().replay(request)
+    for name in fsdp:
+        for step in range(len(ref[name].params)):
+            assert float((fsdp[name].params[step] - ref[name].params[step]).abs().max()) <= ATOL
+        for metric in golden_names(ref[name].steps[-1]):
+            assert abs(fsdp[name].steps[-1][metric] - ref[name].steps[-1][metric]) <= ATOL, metric
+
+
 def test_every_rank_runs_equally_many_passes(runs):
     fsdp, _, _ = runs
     for name, run in fsdp.items():
