@@ -48,8 +48,9 @@ venv-gpu:
 	touch $(VENV)/.installed
 
 nightly-gpu:
-	RLAUDIT_DEVICE=cuda $(BIN)/rlaudit run --all --device cuda
+	$(BIN)/rlaudit run --all --device cuda
 	$(BIN)/python -m pytest -q -m gpu
+	$(BIN)/rlaudit report --last 7 --format md
 
 clean:
 	rm -rf $(VENV) reports/mlflow.db reports/mlartifacts reports/latest
