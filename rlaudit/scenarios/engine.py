@@ -33,6 +33,20 @@ def build_variants(scn: Scenario, batch) -> list[Variant]:
     return list(variants.values())
 
 
+def check_sampling_matches(scn: Scenario, batch) -> None:
+    """The trainer recomputes log-probs at ``config.rollout.temperature``; a rollout sampled at
+    another temperature would make every log-prob comparison with the sampler fail for a reason
+    that is the scenario's, not the trainer's. Rollouts without sampling metadata are accepted."""
+    sampled = (batch.meta.get("sampling") or {}).get("temperature")
+    want = scn.config.rollout.temperature
+    if sampled is None or float(sampled) == 0.0:  # greedy: vLLM reports temperature-1 log-probs
+        return
+    if abs(float(sampled) - float(want)) > 1e-12:
+        raise InputError(f"is {want}, but the rollout {scn.rollout.name} was sampled at temperature "
+                         f"{sampled} (its meta.sampling.temperature); set config.rollout.temperature "
+                         f"to {sampled}", source=str(scn.path), key="config.rollout.temperature")
+
+
 def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                  golden_dir: str | Path | None = None, bless: bool = False,
                  timeout: float = 900.0) -> ScenarioResult:
@@ -40,6 +54,7 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     megatron-core not installed) are reported as n/a for every invariant, never as passed."""
     t0 = time.perf_counter()
     batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
+    check_sampling_matches(scn, batch)
     names = list(scn.backends) if backends is None else list(backends)
     from rlaudit.backends.registry import backend_names
     for b in names:

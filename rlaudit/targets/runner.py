@@ -29,7 +29,7 @@ from rlaudit.backends.registry import get_backend
 from rlaudit.config import flatten, to_dict
 from rlaudit.errors import InputError
 from rlaudit.metrics import golden_names
-from rlaudit.scenarios.engine import build_variants
+from rlaudit.scenarios.engine import build_variants, check_sampling_matches
 from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
 from rlaudit.scenarios.invariants.parity import ORACLE
 from rlaudit.scenarios.invariants.compare import compare_runs
@@ -95,6 +95,7 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
     scn = dataclasses.replace(
         scn, backends={name: dict(getattr(adapter, "layout", {}) or {}), ORACLE: {}},
         invariants=list(invariants or scn.invariants))
+    check_sampling_matches(scn, batch)
     variants = build_variants(scn, batch)
     res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=[name, ORACLE],
                          config=flatten(to_dict(scn.config)), layouts=dict(scn.backends),

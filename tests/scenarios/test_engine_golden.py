@@ -328,3 +328,21 @@ def test_cli_golden_bless_exits_1_and_a_rerun_passes(tmp_path, capsys):
     assert "tiny_bless: PASSED" in out
     assert main(["run", "tiny_bless", "--bless", "--no-mlflow", "--report-dir",
                  str(tmp_path / "rep"), *args]) == 1
+
+
+def test_config_temperature_other_than_the_rollouts_is_an_input_error(tmp_path, capsys):
+    """short-ref was sampled at temperature 1.0 (its sidecar says so); a scenario that replays
+    it at 0.7 would fail every sampler-vs-trainer comparison for the scenario's own fault."""
+    assert SIDECAR["meta"]["sampling"]["temperature"] == 1.0
+    d = scenario_dict(steps=1, invariants=["sanity-bounds"])
+    d["config"]["rollout"]["temperature"] = 0.7
+    path = tmp_path / "hot.yaml"
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(InputError) as e:
+        run_scenario(load_scenario(path), golden_dir=tmp_path / "golden")
+    assert e.value.key == "config.rollout.temperature" and e.value.source == str(path)
+    assert "1.0" in str(e.value) and "0.7" in str(e.value)
+    rc = main(["run", str(path), "--no-mlflow", "--report-dir", str(tmp_path / "rep"),
+               "--golden-dir", str(tmp_path / "golden")])
+    assert rc == 2 and "config.rollout.temperature" in capsys.readouterr().err
+    assert not (tmp_path / "golden").exists()

@@ -15,6 +15,7 @@ from rlaudit.errors import InputError
 from rlaudit.scenarios.result import FAIL, NA, PASS
 from rlaudit.targets.adapter import load_adapter
 from rlaudit.targets.reference import ReferenceAdapter
+from rlaudit.targets import builtin
 from rlaudit.targets.runner import run_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +90,8 @@ def test_named_scenario_file(tmp_path, tiny_model, builtin_rollout):
     save_rollout(builtin_rollout, tmp_path / "r.safetensors")
     (tmp_path / "mine.yaml").write_text(
         f"model: {tiny_model}\nrollout: r.safetensors\nsteps: 1\ndtype: float64\n"
-        "config: {rollout: {n: 4}, actor: {ppo_mini_batch_size: 2, optim: {name: sgd, lr: 0.1}}}\n"
+        f"config: {{rollout: {{n: 4, temperature: {builtin.TEMPERATURE}}}, "
+        "actor: {ppo_mini_batch_size: 2, optim: {name: sgd, lr: 0.1}}}\n"
         "backends: {reference: {}}\ninvariants: [no-input-mutation, backend-parity]\n"
         "tolerances: {default: {rtol: 1.0e-5, atol: 1.0e-6}}\n")
     from examples.toy_trainer.adapter import ToyAdapter
