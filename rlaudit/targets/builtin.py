@@ -4,9 +4,12 @@ named — the committed tiny Qwen2 snapshot and a small rollout sampled from it 
 The reference policy (for KL terms) is the tiny Llama snapshot (same tokenizer), so KL is far from
 0. The rollout is deterministic (reference sampler, fixed seed) and has the edge cases a trainer
 must handle: ragged response lengths including 0 and 1 (responses are cut after sampling; a cut
-keeps the sampling log-probs of the kept tokens exact), groups of 4 rows, scores with non-zero
-spread inside each group. Config: GRPO, fp64, SGD, DAPO's asymmetric clip, entropy computed and
-logged with coefficient 0, two optimizer steps per training step, two training steps.
+keeps the sampling log-probs of the kept tokens exact), masked holes inside two responses (tool
+output of a multi-turn rollout: context, not trained on), groups of 4 rows, scores with non-zero
+spread inside each group, sampled at temperature 0.7 (a trainer that forgets to divide its logits
+by the rollout temperature, or divides twice, disagrees with the sampler's log-probs). Config:
+GRPO, fp64, SGD, DAPO's asymmetric clip, entropy computed and logged with coefficient 0, two
+optimizer steps per training step, two training steps.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ N = 4                # rows per group
 MAX_NEW_TOKENS = 6   # R
 #: response lengths after cutting (row order = sampler order: prompt-major)
 CUT_LENGTHS = (6, 3, 1, 5, 0, 6, 2, 4)
+#: response positions with response_mask False inside a response (row -> columns), as a tool's
+#: output in a multi-turn rollout: in the context of later tokens, not trained on
+MASK_HOLES = {0: (2, 3), 7: (1,)}
 SEED = 0
+#: rollout temperature (not 1: the log-probs a trainer recomputes must apply it)
+TEMPERATURE = 0.7
 #: invariants not run against targets: nested-matches-padded is a stage check here
 SKIPPED_INVARIANTS = ("nested-matches-padded",)
 #: A third-party trainer usually runs stock Hugging Face models, whose float64 mode keeps RoPE,
@@ -41,7 +49,7 @@ CONFIG = {
               "ppo_micro_batch_size_per_gpu": 2, "entropy_coeff": 0.0,
               "calculate_entropy": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
               "grad_clip": 1.0},
-    "rollout": {"n": N, "response_length": MAX_NEW_TOKENS},
+    "rollout": {"n": N, "response_length": MAX_NEW_TOKENS, "temperature": TEMPERATURE},
     "data": {"train_batch_size": PROMPTS},
     "trainer": {"dtype": "float64", "seed": SEED},
 }
@@ -77,19 +85,26 @@ def _sampled(model_path: str) -> RolloutBatch:
     g = torch.Generator().manual_seed(SEED)
     vocab = 256  # byte tokens only (ids above are special tokens of the tiny tokenizer)
     prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in (5, 3)]
-    return sample(model, prompts, n=N, max_new_tokens=MAX_NEW_TOKENS, seed=SEED)
+    return sample(model, prompts, n=N, max_new_tokens=MAX_NEW_TOKENS, seed=SEED,
+                  temperature=TEMPERATURE)
 
 
 def rollout(model_path: str | Path) -> RolloutBatch:
     """The built-in rollout (B = 8, R = 6): sampled, cut to :data:`CUT_LENGTHS`, scored."""
     batch = _sampled(str(model_path))
     lengths = torch.minimum(torch.tensor(CUT_LENGTHS), batch["response_lengths"])
-    mask = torch.arange(batch.response_width).unsqueeze(0) < lengths.unsqueeze(1)
+    in_response = torch.arange(batch.response_width).unsqueeze(0) < lengths.unsqueeze(1)
     pad = int(batch.meta.get("pad_token_id", 0))
-    response_ids = torch.where(mask, batch["response_ids"], pad)
-    rollout_lp = torch.where(mask, batch["rollout_log_probs"], 0.0)
+    response_ids = torch.where(in_response, batch["response_ids"], pad)
+    rollout_lp = torch.where(in_response, batch["rollout_log_probs"], 0.0)
+    # tokens inside a response that are not trained on (a tool's output in a multi-turn rollout):
+    # they stay in the context of later tokens, the score still goes on the last response token
+    mask = in_response.clone()
+    for row, cols in MASK_HOLES.items():
+        if int(lengths[row]) > max(cols) + 1:
+            mask[row, list(cols)] = False
     # rule score: share of a response's tokens below 128 (0 for an empty response)
-    low = torch.where(mask, (response_ids < 128).double(), 0.0).sum(1)
+    low = torch.where(in_response, (response_ids < 128).double(), 0.0).sum(1)
     scores = low / lengths.clamp(min=1).double()
     return RolloutBatch.from_tensors(
         {**batch.tensors, "response_ids": response_ids, "response_lengths": lengths,

@@ -240,6 +240,12 @@ class _IgnoresAggMode(toy.ToyTrainer):
         super().__init__(model, cfg, ref_model)
 
 
+class _IgnoresTemperature(toy.ToyTrainer):
+    def __init__(self, model, cfg, ref_model=None):
+        cfg.temperature = 1.0                  # log-probs of the raw logits, not logits / T
+        super().__init__(model, cfg, ref_model)
+
+
 class _ClampsScoresInPlace(toy.ToyTrainer):
     def step(self, data):
         data["scores"].clamp_(-10.0, 10.0)   # writes into the caller's batch
@@ -257,6 +263,7 @@ PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
 MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
 MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
+IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 
 
 class MetricsOnly(ToyAdapter):

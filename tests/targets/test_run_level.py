@@ -59,6 +59,8 @@ CAUGHT = [
      ["no-input-mutation"], ["backend-parity"]),
     (broken.MetricsReusedBuffer, ["backend-parity", "no-input-mutation"],
      ["backend-parity"], ["no-input-mutation"]),
+    (broken.IgnoresTemperature, ["rollout-parity", "backend-parity", "microbatch-invariance"],
+     ["rollout-parity", "backend-parity"], ["microbatch-invariance"]),
 ]
 
 
