@@ -203,15 +203,19 @@ class ToyTrainer:
         logp = torch.cat([o[0] for o in outs])
         return logp, torch.cat([o[1] for o in outs]) if with_entropy else None
 
+    def last_token(self, data):
+        """``[B, R]`` bool: the last token of each response (where the score goes), found from
+        the attention mask: the loss mask may exclude tokens inside a response (tool output)."""
+        width = data["responses"].shape[1]
+        resp_len = data["attention_mask"][:, -width:].sum(-1, keepdim=True)
+        return torch.arange(width).unsqueeze(0) == resp_len - 1
+
     def step(self, data):
         """One training step; returns (metrics, data with the derived fields)."""
         cfg, mask = self.cfg, data["response_mask"]
         old_logp, entropy = self.no_grad_forward(self.model, data, with_entropy=True)
         data = {**data, "old_log_probs": old_logp, "entropy": entropy}
-        width = mask.shape[1]
-        resp_len = data["attention_mask"][:, -width:].sum(-1, keepdim=True)
-        last = torch.arange(width).unsqueeze(0) == resp_len - 1   # the score goes on the last token
-        data["token_level_scores"] = data["scores"].unsqueeze(-1) * last
+        data["token_level_scores"] = data["scores"].unsqueeze(-1) * self.last_token(data)
         metrics = {}
         if cfg.use_kl_loss or cfg.use_kl_in_reward:
             data["ref_log_probs"], _ = self.no_grad_forward(self.ref_model, data)

@@ -246,6 +246,12 @@ class _IgnoresTemperature(toy.ToyTrainer):
         super().__init__(model, cfg, ref_model)
 
 
+class _ScoreOnLastTrainedToken(toy.ToyTrainer):
+    def last_token(self, data):              # counts loss-mask tokens: wrong with masked holes
+        n = data["response_mask"].sum(-1, keepdim=True).long()
+        return torch.arange(data["responses"].shape[1]).unsqueeze(0) == n - 1
+
+
 class _ClampsScoresInPlace(toy.ToyTrainer):
     def step(self, data):
         data["scores"].clamp_(-10.0, 10.0)   # writes into the caller's batch
@@ -264,6 +270,7 @@ MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
 MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
 IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
+ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")
 
 
 class MetricsOnly(ToyAdapter):

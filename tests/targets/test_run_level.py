@@ -61,6 +61,8 @@ CAUGHT = [
      ["backend-parity"], ["no-input-mutation"]),
     (broken.IgnoresTemperature, ["rollout-parity", "backend-parity", "microbatch-invariance"],
      ["rollout-parity", "backend-parity"], ["microbatch-invariance"]),
+    (broken.ScoreOnLastTrainedToken, ["reward-shaping", "backend-parity", "rollout-parity"],
+     ["reward-shaping", "backend-parity"], ["rollout-parity"]),
 ]
 
 
