@@ -9,7 +9,7 @@ output of a multi-turn rollout: context, not trained on), groups of 4 rows, scor
 spread inside each group, sampled at temperature 0.7 (a trainer that forgets to divide its logits
 by the rollout temperature, or divides twice, disagrees with the sampler's log-probs). Config:
 GRPO, fp64, SGD, DAPO's asymmetric clip, entropy computed and logged with coefficient 0, two
-optimizer steps per training step, two training steps.
+mini-batches x two PPO epochs (four optimizer steps) per training step, two training steps.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ CONFIG = {
     "actor": {"optim": {"name": "sgd", "lr": 0.5}, "ppo_mini_batch_size": 1,
               "ppo_micro_batch_size_per_gpu": 2, "entropy_coeff": 0.0,
               "calculate_entropy": True, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
-              "grad_clip": 1.0},
+              "grad_clip": 1.0, "ppo_epochs": 2},
     "rollout": {"n": N, "response_length": MAX_NEW_TOKENS, "temperature": TEMPERATURE},
     "data": {"train_batch_size": PROMPTS},
     "trainer": {"dtype": "float64", "seed": SEED},

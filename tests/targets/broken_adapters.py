@@ -252,6 +252,12 @@ class _ScoreOnLastTrainedToken(toy.ToyTrainer):
         return torch.arange(data["responses"].shape[1]).unsqueeze(0) == n - 1
 
 
+class _IgnoresEpochs(toy.ToyTrainer):
+    def __init__(self, model, cfg, ref_model=None):
+        cfg.epochs = 1                         # ppo_epochs from the config is dropped
+        super().__init__(model, cfg, ref_model)
+
+
 class _ClampsScoresInPlace(toy.ToyTrainer):
     def step(self, data):
         data["scores"].clamp_(-10.0, 10.0)   # writes into the caller's batch
@@ -271,6 +277,7 @@ IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
 MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
 IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")
+IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 
 
 class MetricsOnly(ToyAdapter):

@@ -63,6 +63,8 @@ CAUGHT = [
      ["rollout-parity", "backend-parity"], ["microbatch-invariance"]),
     (broken.ScoreOnLastTrainedToken, ["reward-shaping", "backend-parity", "rollout-parity"],
      ["reward-shaping", "backend-parity"], ["rollout-parity"]),
+    (broken.IgnoresEpochs, ["backend-parity", "microbatch-invariance"],
+     ["backend-parity"], ["microbatch-invariance"]),
 ]
 
 
