@@ -35,8 +35,8 @@ BASE = {
 }
 
 
-def test_there_are_24_committed_scenarios():
-    assert len(COMMITTED) == 24
+def test_there_are_25_committed_scenarios():
+    assert len(COMMITTED) == 25
     assert discover(SCENARIOS) == COMMITTED  # models/ and rollouts/ hold no scenarios
 
 
