@@ -258,6 +258,11 @@ class _IgnoresEpochs(toy.ToyTrainer):
         super().__init__(model, cfg, ref_model)
 
 
+class _RefFromActor(toy.ToyTrainer):
+    def __init__(self, model, cfg, ref_model=None):
+        super().__init__(model, cfg, model)    # the reference policy is the live actor
+
+
 class _ClampsScoresInPlace(toy.ToyTrainer):
     def step(self, data):
         data["scores"].clamp_(-10.0, 10.0)   # writes into the caller's batch
@@ -278,6 +283,7 @@ MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
 IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
+RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
 
 
 class MetricsOnly(ToyAdapter):

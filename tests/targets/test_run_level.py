@@ -65,6 +65,9 @@ CAUGHT = [
      ["reward-shaping", "backend-parity"], ["rollout-parity"]),
     (broken.IgnoresEpochs, ["backend-parity", "microbatch-invariance"],
      ["backend-parity"], ["microbatch-invariance"]),
+    # the base config has no KL term: the stored-kl variant (KL in the reward) exposes it
+    (broken.RefFromActor, ["backend-parity", "stored-kl-unaltered"],
+     ["backend-parity"], ["stored-kl-unaltered"]),
 ]
 
 
