@@ -59,7 +59,7 @@ class Denominators:
         ``norm_len`` defaults to ``mask.shape[-1]`` (R). For global denominators pass the
         whole batch's width (or ``loss_scale_factor``), never a micro-batch's padded width.
         """
-        m = _as_bool_mask(mask, None)
+        m = bool_mask(mask)
         if norm_len is None:
             norm_len = m.shape[-1]
         if not norm_len > 0:
@@ -83,26 +83,20 @@ AggFn = Callable[[torch.Tensor, torch.Tensor, Denominators], torch.Tensor]
 AGG_MODES: Registry[AggFn] = Registry("loss aggregation mode")
 
 
-def bool_mask(mask, shape) -> torch.Tensor:
-    """``mask`` as a bool tensor of ``shape`` (bool, or 0/1 numbers); raises InputError naming
-    ``mask`` for a wrong shape or values other than 0/1. Every algo function takes masks this way."""
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
-        raise InputError(f"expected shape {tuple(shape)}, got {tuple(getattr(mask, 'shape', ()))}",
-                         key="mask")
+def bool_mask(mask, shape=None) -> torch.Tensor:
+    """``mask`` as a bool tensor (bool, or 0/1 numbers) of ``shape`` (``None``: any shape with at
+    least one dimension); raises InputError naming ``mask`` for a wrong shape or values other
+    than 0/1. Every algo function takes masks this way."""
+    got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
+    if got is None or not got or (shape is not None and got != tuple(shape)):
+        want = f"shape {tuple(shape)}" if shape is not None else "a tensor [B, R]"
+        raise InputError(f"expected {want} (bool or 0/1), got "
+                         f"{got if got is not None else type(mask).__name__}", key="mask")
     if mask.dtype == torch.bool:
         return mask
     if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
         raise InputError("a non-bool mask must hold only 0 and 1", key="mask")
     return mask != 0
-
-
-def _as_bool_mask(mask: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 1:
-        raise InputError("expected a tensor [B, R] (bool or 0/1)", key="mask")
-    if like is not None and mask.shape != like.shape:
-        raise InputError(f"shape {tuple(mask.shape)} must equal the loss's shape "
-                         f"{tuple(like.shape)}", key="mask")
-    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def _safe_div(num: torch.Tensor, den: float | torch.Tensor) -> torch.Tensor:
@@ -154,7 +148,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
         A 0-dim tensor in ``loss_mat``'s dtype; 0 (not NaN) when the denominator is 0.
     """
     fn = AGG_MODES.get(mode, key="mode")
-    m = _as_bool_mask(mask, loss_mat)
+    m = bool_mask(mask, loss_mat.shape)
     if denom is None:
         denom = Denominators.of(m)
     elif not isinstance(denom, Denominators):
@@ -172,7 +166,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     NaN/inf under mask 0 are ignored. Returns a 0-dim tensor (0 when nothing is valid).
     """
-    m = _as_bool_mask(mask, x)
+    m = bool_mask(mask, x.shape)
     return torch.where(m, x, torch.zeros_like(x)).sum()
 
 
@@ -181,12 +175,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     ``x`` and ``mask`` have the same shape. Returns a 0-dim tensor; 0 when no position is valid.
     """
-    m = _as_bool_mask(mask, x)
+    m = bool_mask(mask, x.shape)
     return _safe_div(torch.where(m, x, torch.zeros_like(x)).sum(), float(m.sum()))
 
 
 def _masked_extreme(x, mask, empty, fill, reduce):
-    m = _as_bool_mask(mask, x)
+    m = bool_mask(mask, x.shape)
     if not bool(m.any()):
         return torch.full((), empty, dtype=x.dtype, device=x.device)
     return reduce(torch.where(m, x, torch.full_like(x, fill)))

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from rlaudit.algo.agg import bool_mask
 from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
@@ -171,7 +172,7 @@ def compute_policy_loss(name: str, *, old_log_prob: torch.Tensor, log_prob: torc
             raise InputError(f"must be >= 0, got {v!r}", key=key)
     if not clip_ratio_c > 1:
         raise InputError(f"dual-clip bound must be > 1, got {clip_ratio_c!r}", key="clip_ratio_c")
-    m = mask if mask.dtype == torch.bool else mask != 0
+    m = bool_mask(mask, log_prob.shape)
     zero = torch.zeros_like(log_prob)
     x = _Inputs(
         old=torch.where(m, old_log_prob.to(log_prob.dtype), zero),

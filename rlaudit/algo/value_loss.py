@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rlaudit.algo.agg import bool_mask
 from rlaudit.errors import InputError
 
 __all__ = ["value_loss"]
@@ -40,7 +41,7 @@ def value_loss(vpreds: torch.Tensor, values: torch.Tensor, returns: torch.Tensor
                              key=key)
     if not cliprange_value >= 0:
         raise InputError(f"must be >= 0, got {cliprange_value!r}", key="cliprange_value")
-    m = mask if mask.dtype == torch.bool else mask != 0
+    m = bool_mask(mask, vpreds.shape)
     zero = torch.zeros_like(vpreds)
     v = torch.where(m, vpreds, zero)
     old = torch.where(m, values.to(vpreds.dtype), zero)
