@@ -26,7 +26,7 @@ import torch
 from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
-__all__ = ["KL_ESTIMATORS", "kl_penalty"]
+__all__ = ["KL_ESTIMATORS", "kl_penalty", "k3_of_log_ratio"]
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,14 +59,22 @@ def k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (log_prob - ref_log_prob).square()
 
 
+def k3_of_log_ratio(d: torch.Tensor) -> torch.Tensor:
+    """``exp(d) - d - 1`` of a log-ratio ``d``, elementwise, no clamps: non-negative
+    (``e^d >= 1 + d``), 0 exactly at ``d = 0``. Computed as ``expm1(d) - d``, the same value
+    without the cancellation that makes ``exp(d) - d - 1`` round to small negatives (-1e-16 in
+    float64 at ``d = 1e-8``)."""
+    return torch.expm1(d) - d
+
+
 @KL_ESTIMATORS.register("k3", "low_var_kl")
 def k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """``exp(d) - d - 1`` with ``d = clamp(ref - logp, +-20)``, clamped to ``[-10, 10]``.
+    """:func:`k3_of_log_ratio` of ``d = clamp(ref - logp, +-20)``, clamped to ``[-10, 10]``.
 
-    Non-negative (``e^d >= 1 + d``); 0 exactly where ``logp == ref``.
+    Non-negative; 0 exactly where ``logp == ref``.
     """
     d = (ref_log_prob - log_prob).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-    return (torch.exp(d) - d - 1).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    return k3_of_log_ratio(d).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 
 
 def _straight_through(value_fn: KLFn) -> KLFn:

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from rlaudit.algo.agg import bool_mask, masked_max, masked_mean
-from rlaudit.algo.kl import kl_penalty
+from rlaudit.algo.kl import k3_of_log_ratio, kl_penalty
 from rlaudit.errors import InputError
 
 MAX_LOG_RATIO = 20.0
@@ -117,7 +117,8 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
     - ``rollout_corr/kl``: token-mean of ``-d`` = rollout - old (k1 estimate of
       KL(rollout || train), samples from the rollout). Denominator N_tok.
     - ``rollout_corr/k3_kl``: token-mean of ``exp(d) - d - 1`` (k3 estimate of the same KL, >= 0;
-      unclamped except ``d <= MAX_LOG_RATIO`` inside exp). Denominator N_tok.
+      ``d`` clamped above at ``MAX_LOG_RATIO`` so exp cannot overflow, no value clamp).
+      Denominator N_tok.
     - ``rollout_corr/log_ppl_diff``: mean over rows with >= 1 mask-1 token of
       ``mean_t rollout - mean_t old`` (per-row means over the row's mask-1 tokens), which is
       ``train log-ppl - rollout log-ppl`` with log-ppl = -mean log-prob; positive = the trainer
@@ -133,7 +134,7 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
         rollout = torch.where(m, rollout_log_probs.detach(), 0.0)
         d = old - rollout
         # Not kl_penalty's k3: its value clamp (a loss safeguard) would hide a large mismatch.
-        k3 = torch.exp(d.clamp(max=MAX_LOG_RATIO)) - d - 1
+        k3 = k3_of_log_ratio(d.clamp(max=MAX_LOG_RATIO))
         n_row = m.sum(-1)
         has = n_row > 0
         row_diff = (rollout - old).sum(-1) / n_row.clamp(min=1).to(d.dtype)
