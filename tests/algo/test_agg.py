@@ -154,3 +154,28 @@ def test_masked_reductions():
     assert masked_max(x, none).item() == 0.0
     assert math.isnan(masked_min(x, none, empty=float("nan")).item())
     assert masked_mean(x, m.to(torch.float32)).item() == 1.0   # 0/1 float masks work too
+
+
+def test_every_masked_function_rejects_a_mask_that_is_not_0_1():
+    """One converter (agg.bool_mask) for every algo function: a float mask of 0/1 is accepted
+    and equals the bool mask; 0.5 (a weight passed where a mask belongs) is an InputError."""
+    from rlaudit.algo.policy_loss import compute_policy_loss
+    from rlaudit.algo.value_loss import value_loss
+    x = torch.tensor([[0.3, -1.2, 2.0], [0.7, 0.1, -0.4]], dtype=torch.float64)
+    good = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    calls = {
+        "agg_loss": lambda m: agg_loss(x, m, "token-mean"),
+        "masked_mean": lambda m: masked_mean(x, m),
+        "masked_max": lambda m: masked_max(x, m),
+        "Denominators.of": lambda m: torch.tensor(Denominators.of(m).tokens),
+        "policy_loss": lambda m: compute_policy_loss(
+            "vanilla", old_log_prob=x * 0.9, log_prob=x, advantages=x + 1, mask=m,
+            clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0).loss_mat,
+        "value_loss": lambda m: value_loss(x, x * 0.5, x + 1, m, cliprange_value=0.2)[0],
+    }
+    for name, call in calls.items():
+        assert torch.equal(call(good), call(good.bool())), name
+        bad = good.clone()
+        bad[0, 0] = 0.5
+        with pytest.raises(InputError, match="only 0 and 1"):
+            call(bad)
