@@ -63,9 +63,9 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
     results = [run_stage_checks(adapter, stages=stages, model_path=str(model))]
     if scenario_names or all_:
         from rlaudit.data.io import load_rollout
-        from rlaudit.scenarios.spec import load_scenario
-        scenarios = [load_scenario(p) for p in _resolve(scenario_names or [], all_,
-                                                        scenarios_dir)]
+        from rlaudit.scenarios.spec import load_scenario, resolve
+        scenarios = [load_scenario(p) for p in resolve(scenario_names or [], all_=all_,
+                                                       root=scenarios_dir)]
         from rlaudit.update.step import select_groups
         # the same rows the scenario engine replays (DAPO group filter applied when enabled)
         plans = [(s, lambda s=s: select_groups(load_rollout(s.rollout), s.config)[0])
@@ -220,15 +220,6 @@ def _provenance(scn: Scenario, batch, target: str) -> dict:
     from rlaudit.model.load import snapshot_id
     return {"target": target, "model_sha": snapshot_id(scn.model),
             "rollout_sha": rollout_sha256(batch)}
-
-
-def _resolve(names: list[str], all_: bool, scenarios_dir: str | Path) -> list[Path]:
-    """Scenario names (file stems) or paths, or every scenario under ``scenarios_dir``; unlike
-    the CLI, no names and no --all means the built-in scenario (an empty list)."""
-    from rlaudit.scenarios.spec import resolve
-    if not names and not all_:
-        return []
-    return resolve(names, all_=all_, root=scenarios_dir)
 
 
 __all__ = ["run_target", "run_target_scenario", "check_invariant"]
