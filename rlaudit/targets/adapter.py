@@ -182,14 +182,24 @@ def supports(adapter: object, config) -> tuple[bool, str]:
     return bool(out), "" if out else "the adapter does not support this configuration"
 
 
+def peers_names() -> list[str]:
+    from rlaudit.targets.peers import PEERS
+    return list(PEERS)
+
+
 def load_adapter(spec: str) -> object:
     """Import ``"package.module:Attr"`` and return the adapter: ``Attr()`` when ``Attr`` is a
     class, else ``Attr`` itself. When the module is not importable as is, the current directory
     is added to ``sys.path`` and the import retried (so ``examples.toy_trainer.adapter:ToyAdapter``
     works from the repository root even through the installed ``rlaudit`` script).
     """
+    if isinstance(spec, str) and ":" not in spec:
+        from rlaudit.targets import peers
+        spec = peers.resolve(spec) or spec
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise InputError(f"expected MODULE:ATTR (e.g. mypkg.audit:MyAdapter), got {spec!r}",
+        raise InputError(f"expected MODULE:ATTR (e.g. mypkg.audit:MyAdapter) or a peer's short "
+                         f"name ({', '.join(sorted(peers_names())) or 'none registered'}), "
+                         f"got {spec!r}",
                          key="--target")
     module_name, attr = spec.split(":")
     try:

@@ -1,0 +1,95 @@
+"""First-party adapters over other projects' real, installed code (one module per peer).
+
+    rlaudit run --target verl            # the verl found on sys.path, else the newest under .peers/
+    rlaudit run --target verl==0.7.1     # <peers dir>/verl-0.7.1 (made by `make peers`)
+
+A peer's package is found either as installed in the user's environment (``pip install verl``) or
+in ``<peers dir>/<name>-<version>/``, a ``pip install --target`` directory made by ``make peers``
+(``<peers dir>`` is ``$RLAUDIT_PEERS_DIR``, default ``<repository>/.peers``). Adapters never
+re-implement the peer's code: they convert rlaudit's tensors to the peer's format, call its
+functions, and convert back. docs/peers.md says what each covers per version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from rlaudit.errors import InputError
+
+#: short name -> "module:Attr" of its adapter
+PEERS: dict[str, str] = {}
+
+_SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9][0-9A-Za-z.+-]*))?$")
+
+
+def peers_dir() -> Path:
+    """Where ``make peers`` installs peers: ``$RLAUDIT_PEERS_DIR`` or ``<repository>/.peers``."""
+    env = os.environ.get("RLAUDIT_PEERS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / ".peers"
+
+
+def installed_versions(name: str) -> list[str]:
+    """Versions of ``name`` under :func:`peers_dir`, oldest first."""
+    root = peers_dir()
+    if not root.is_dir():
+        return []
+    found = [p.name[len(name) + 1:] for p in root.iterdir()
+             if p.is_dir() and p.name.startswith(name + "-")]
+    return sorted(found, key=_version_key)
+
+
+def _version_key(v: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"[.+-]", v))
+
+
+def parse(spec: str) -> tuple[str, str | None] | None:
+    """``"verl"`` -> ("verl", None); ``"verl==0.7.1"`` -> ("verl", "0.7.1"); None when ``spec``
+    is not a short peer name (e.g. ``module:Attr``)."""
+    m = _SPEC.match(spec)
+    if m is None or m["name"] not in PEERS:
+        return None
+    return m["name"], m["version"]
+
+
+def activate(name: str, version: str | None = None) -> str | None:
+    """Put ``<peers dir>/<name>-<version>`` first on ``sys.path`` (``version`` None: keep an
+    installed copy if importable, else the newest directory). Returns the version activated from
+    the peers directory, or None when the environment's own install is used."""
+    if version is None:
+        import importlib.util
+        if importlib.util.find_spec(_module_of(name)) is not None:
+            return None
+        versions = installed_versions(name)
+        if not versions:
+            raise InputError(f"peer {name!r} is neither installed nor under {peers_dir()} "
+                             f"(run `make peers`, see docs/peers.md)", key="--target")
+        version = versions[-1]
+    path = peers_dir() / f"{name}-{version}"
+    if not path.is_dir():
+        have = ", ".join(installed_versions(name)) or "none"
+        raise InputError(f"{name}=={version} is not installed under {peers_dir()} (installed: "
+                         f"{have}; run `make peers`, see docs/peers.md)", key="--target")
+    sys.path.insert(0, str(path))
+    return version
+
+
+#: the top-level module each peer installs (for "is it importable already?")
+MODULES: dict[str, str] = {}
+
+
+def _module_of(name: str) -> str:
+    return MODULES.get(name, name)
+
+
+def resolve(spec: str) -> str | None:
+    """``"verl==0.7.1"`` -> the adapter's ``module:Attr`` after activating that version; None when
+    ``spec`` is not a short peer name."""
+    parsed = parse(spec)
+    if parsed is None:
+        return None
+    name, version = parsed
+    activate(name, version)
+    return PEERS[name]
