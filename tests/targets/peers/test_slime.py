@@ -47,3 +47,31 @@ def test_slime_before_2114_fails_stored_kl_unaltered_only(tmp_path):
     assert rc == 1
     assert failed == {"apply_kl_in_reward:stored-kl-unaltered"}
     assert "stored kl" in checks["apply_kl_in_reward:stored-kl-unaltered"]["message"]
+
+
+def _fake_slime(root) -> None:
+    (root / "slime").mkdir(parents=True)
+    (root / "slime" / "__init__.py").write_text("")
+
+
+def test_snapshot_lookup_order_and_errors(tmp_path, monkeypatch):
+    """$RLAUDIT_SLIME_DIR (a checkout, or a folder of <commit>/), then <peers dir>/slime-<commit>;
+    a missing one is an input error naming every place looked at."""
+    monkeypatch.setenv("RLAUDIT_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.delenv("RLAUDIT_SLIME_DIR", raising=False)
+    with pytest.raises(InputError) as e:
+        peers.source_snapshot("slime", "abc1234")
+    assert str(tmp_path / "peers" / "slime-abc1234") in str(e.value)
+    _fake_slime(tmp_path / "peers" / "slime-abc1234")
+    assert peers.source_snapshot("slime", "abc1234") == (tmp_path / "peers" / "slime-abc1234",
+                                                          "abc1234")
+    _fake_slime(tmp_path / "snaps" / "abc1234")
+    monkeypatch.setenv("RLAUDIT_SLIME_DIR", str(tmp_path / "snaps"))
+    assert peers.source_snapshot("slime", "abc1234") == (tmp_path / "snaps" / "abc1234",
+                                                          "abc1234")
+    _fake_slime(tmp_path / "fork")
+    monkeypatch.setenv("RLAUDIT_SLIME_DIR", str(tmp_path / "fork"))
+    assert peers.source_snapshot("slime") == (tmp_path / "fork", "fork")
+    with pytest.raises(InputError, match="one slime checkout"):
+        peers.source_snapshot("slime", "abc1234")
+    assert peers.parse("slime==a0d6d26a2") == ("slime", "a0d6d26a2")
