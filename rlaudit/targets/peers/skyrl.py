@@ -13,8 +13,8 @@ Every stage calls SkyRL's own functions; this module only converts tensors:
 - ``policy_loss``: the registered loss (``PolicyLossRegistry``: dual_clip, gspo, cispo) on
   advantages pre-scaled by ``apply_loss_reduction_to_advantages_minibatch``, as SkyRL's trainer
   does per mini-batch before the worker sums each micro-batch's loss.
-- ``make_microbatches``: rlaudit's batch converted with ``convert_prompts_responses_to_batch_tensors``
-  (the trainer's own conversion), sharded over data-parallel ranks by
+- ``make_microbatches``: rlaudit's batch converted with SkyRL's trainer's own conversion
+  (``convert_prompts_responses_to_batch_tensors``), sharded over data-parallel ranks by
   ``MeshDispatch.stage_chunks`` and cut by ``get_microbatch_iterator`` (sample-based, or
   token-based with padding micro-batches), each micro-batch converted back to rlaudit's names.
 
