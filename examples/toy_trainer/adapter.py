@@ -25,7 +25,8 @@ METRICS = {"pg_loss": "actor/pg_loss", "pg_clipfrac": "actor/pg_clipfrac",
            "entropy": "actor/entropy", "kl_loss": "actor/kl_loss", "kl_coef": "actor/kl_coef",
            "loss": "actor/loss", "grad_norm": "actor/grad_norm", "lr": "actor/lr",
            "rollout_kl": "rollout/kl", "score_mean": "critic/score/mean",
-           "adv_mean": "critic/advantages/mean"}
+           "adv_mean": "critic/advantages/mean",
+           "overlong_penalty_mean": "train/overlong_penalty_mean"}
 #: ToyTrainer's layout fields, rebuilt by from_toy; every other field passes through unchanged
 LAYOUT = ("input_ids", "attention_mask", "position_ids", "responses", "index")
 PAD_INDEX = "__pad__"
@@ -72,7 +73,7 @@ def from_toy(data: dict) -> dict:
 
 def toy_config(config, rows: int) -> toy.ToyConfig:
     """rlaudit Config (verl key names) -> ToyConfig."""
-    a, alg = config.actor, config.algorithm
+    a, alg, ob = config.actor, config.algorithm, config.reward.overlong_buffer
     return toy.ToyConfig(
         lr=a.optim.lr, optimizer=a.optim.name, weight_decay=a.optim.weight_decay,
         betas=tuple(a.optim.betas), eps=a.optim.eps,
@@ -87,7 +88,10 @@ def toy_config(config, rows: int) -> toy.ToyConfig:
         micro_batch_rows=a.ppo_micro_batch_size_per_gpu,
         max_tokens_per_micro=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
         padding_micros=config.trainer.extra_padding_microbatches, epochs=a.ppo_epochs,
-        grad_clip=a.grad_clip, temperature=config.rollout.temperature)
+        grad_clip=a.grad_clip, temperature=config.rollout.temperature,
+        max_response_length=config.rollout.response_length,
+        overlong_buffer=ob.len if ob.enable else 0, overlong_penalty_factor=ob.penalty_factor,
+        filter_groups=alg.filter_groups.enable, filter_metric=alg.filter_groups.metric)
 
 
 @functools.lru_cache(maxsize=4)
@@ -111,6 +115,7 @@ class ToyAdapter(TargetAdapter):
     loss_modes = ("vanilla",)
     metric_names = tuple(METRICS.values())    # parity expects these whenever rlaudit logs them
     trainer_class = toy.ToyTrainer            # tests swap in broken trainers
+    filters_groups = True                     # ToyTrainer.step applies DAPO's group filter
 
     def supports(self, config):
         a, alg, rc = config.actor, config.algorithm, config.actor.rollout_correction
@@ -122,12 +127,14 @@ class ToyAdapter(TargetAdapter):
             and alg.kl_penalty not in self.kl_estimators,
             "rollout correction": rc.rollout_is is not None or rc.use_rollout_kl_loss,
             "distillation": a.distill.enable, "shuffle": a.shuffle,
-            "overlong buffer": config.reward.overlong_buffer.enable,
         }
         why = [k for k, bad in unsupported.items() if bad]
         return not why, ", ".join(why)
 
     # ---- stages ----------------------------------------------------------------------------------
+    def filter_groups(self, *, batch, metric):
+        return from_toy(self.trainer_class.filter_groups(to_toy(batch), metric))
+
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,
                            values=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
         if estimator != "grpo":

@@ -10,8 +10,9 @@ Data layout (a verl ``DataProto``-like dict):
 - ``index``: a list of B strings, the group (prompt) id of each row.
 - ``scores`` ``[B]``: one rule score per response; any other ``[B, R, ...]`` tensor rides along.
 
-One ``step(data)``: old (and reference) log-probs -> scores on the last token, minus KL when KL is
-in the reward -> GRPO advantages -> for each epoch, each mini-batch (one optimizer step), each
+One ``step(data)``: DAPO dynamic sampling when enabled (drop the groups whose score does not
+vary) -> old (and reference) log-probs -> scores (plus DAPO's overlong penalty) on the last token,
+minus KL when KL is in the reward -> GRPO advantages -> for each epoch, each mini-batch (one optimizer step), each
 micro-batch: PPO-clip loss + entropy bonus + KL loss, normalised by the *mini-batch's* token /
 sequence counts, backward -> clip grads -> optimizer step. Metrics average over optimizer steps.
 """
@@ -52,6 +53,11 @@ class ToyConfig:
     epochs: int = 1
     grad_clip: float = 1.0
     temperature: float = 1.0
+    max_response_length: int = 0        # the generation limit (for the overlong penalty)
+    overlong_buffer: int = 0            # > 0: DAPO's overlong penalty on the last this many tokens
+    overlong_penalty_factor: float = 1.0
+    filter_groups: bool = False         # DAPO dynamic sampling at the start of a step
+    filter_metric: str = "seq_reward"   # acc | score (the rule score) | seq_reward | seq_final_reward
 
 
 # ---- algorithms --------------------------------------------------------------------------------
@@ -210,13 +216,44 @@ class ToyTrainer:
         resp_len = data["attention_mask"][:, -width:].sum(-1, keepdim=True)
         return torch.arange(width).unsqueeze(0) == resp_len - 1
 
+    def overlong_penalty(self, data):
+        """DAPO's soft length penalty per row: 0 up to ``max_response_length - buffer`` tokens,
+        then linear down to ``-factor`` at ``max_response_length``."""
+        cfg = self.cfg
+        width = data["responses"].shape[1]
+        lengths = data["attention_mask"][:, -width:].sum(-1).double()
+        if cfg.overlong_buffer <= 0:
+            return torch.zeros_like(lengths)
+        exceed = lengths - (cfg.max_response_length - cfg.overlong_buffer)
+        return (-exceed / cfg.overlong_buffer * cfg.overlong_penalty_factor).clamp(max=0.0)
+
+    @staticmethod
+    def filter_groups(data, metric):
+        """DAPO dynamic sampling as verl's recipe does it: keep every row of a group (same
+        ``index``) whose ``metric`` values are not all equal, and the row of a one-row group."""
+        values = defaultdict(list)
+        for idx, m in zip(data["index"], metric.tolist()):
+            values[idx].append(m)
+        keep = [i for i, idx in enumerate(data["index"])
+                if len(values[idx]) == 1 or len(set(values[idx])) > 1]
+        return take(data, keep)
+
     def step(self, data):
         """One training step; returns (metrics, data with the derived fields)."""
-        cfg, mask = self.cfg, data["response_mask"]
+        cfg, metrics = self.cfg, {}
+        if cfg.filter_groups:
+            metric = data["scores"].double()
+            if cfg.filter_metric not in ("acc", "score"):   # before KL: seq_final = seq_reward
+                metric = metric + self.overlong_penalty(data)
+            data = self.filter_groups(data, metric)
+        mask = data["response_mask"]
         old_logp, entropy = self.no_grad_forward(self.model, data, with_entropy=True)
         data = {**data, "old_log_probs": old_logp, "entropy": entropy}
-        data["token_level_scores"] = data["scores"].unsqueeze(-1) * self.last_token(data)
-        metrics = {}
+        penalty = self.overlong_penalty(data)
+        if cfg.overlong_buffer > 0:
+            metrics["overlong_penalty_mean"] = float(penalty.mean())
+        data["token_level_scores"] = ((data["scores"] + penalty).unsqueeze(-1)
+                                      * self.last_token(data))
         if cfg.use_kl_loss or cfg.use_kl_in_reward:
             data["ref_log_probs"], _ = self.no_grad_forward(self.ref_model, data)
         if cfg.use_kl_in_reward:

@@ -15,6 +15,7 @@ other. Stages receive keyword arguments only.
 
 Stages (each optional)::
 
+    filter_groups(*, batch, metric) -> the kept rows (RolloutBatch or {field: tensor})
     compute_advantages(*, estimator, token_level_rewards, response_mask, uid, values, gamma, lam,
                        norm_adv_by_std_in_grpo) -> (advantages [B, R], returns [B, R])
     apply_kl_in_reward(*, token_level_scores, old_log_probs, ref_log_probs, response_mask,
@@ -34,7 +35,9 @@ Optional attributes: ``name`` (the column in reports; default the class name),
 ``distill_losses`` (names the stage implements; default: every name the reference has),
 ``metric_names`` (catalogue names train_step logs, see backend_adapter.py) and
 ``supports(config) -> (bool, why)`` (whether train_step can run a config; an unsupported variant
-makes the invariants that need it n/a).
+makes the invariants that need it n/a) and ``filters_groups`` (True: ``train_step`` applies DAPO's
+group filter itself, so scenarios with ``algorithm.filter_groups.enable`` hand it the unfiltered
+rows; see rlaudit/targets/dynamic_sampling.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from rlaudit.errors import InputError
 
 #: Every stage method, in the order checks run, with the check families it unlocks.
 STAGES: dict[str, str] = {
+    "filter_groups": "DAPO dynamic sampling: exactly the groups whose metric has spread (and "
+                     "singletons) are kept; every field stays aligned with its row; no mutation",
     "compute_advantages": "advantages per estimator vs the reference; grouped by uid (row "
                           "permutation); values under mask 0 ignored; no mutation/aliasing",
     "apply_kl_in_reward": "stored KL unaltered (slime #2114); rewards = scores - kl_coef * kl; "
@@ -133,6 +138,8 @@ class TargetAdapter:
     metric_reduction: str = "contribution"
     #: deliberate semantic differences from the reference (rlaudit.targets.Difference)
     differences: tuple = ()
+    #: train_step applies DAPO's group filter itself: hand it the unfiltered rows
+    filters_groups: bool = False
 
     def supports(self, config) -> tuple[bool, str]:
         """Whether ``train_step`` can run ``config``; (False, why) makes its variants n/a."""

@@ -161,6 +161,10 @@ class AdapterBackend:
         self.adapter = adapter
         self.name = adapter_name(adapter)
         self.skipped: dict[str, str] = {}
+        #: per variant name, the batch handed to the adapter instead of the variant's own (the
+        #: unfiltered rows for a self-filtering target: rlaudit/targets/dynamic_sampling.py);
+        #: outputs are still laid out and checked against the variant's batch
+        self.inputs: dict[str, RolloutBatch] = {}
 
     def available(self) -> tuple[bool, str]:
         fn = getattr(self.adapter, "available", None)
@@ -169,6 +173,8 @@ class AdapterBackend:
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         todo = []
         for v in request.variants:
+            if v.name in self.skipped:      # set beforehand (e.g. dynamic_sampling)
+                continue
             ok, why = supports(self.adapter, v.config)
             if ok:
                 todo.append(v)
@@ -176,18 +182,20 @@ class AdapterBackend:
                 self.skipped[v.name] = why
         replay = getattr(self.adapter, "replay", None)
         if callable(replay):
+            todo = [dataclasses.replace(v, batch=self.inputs.get(v.name, v.batch)) for v in todo]
             return replay(dataclasses.replace(request, variants=todo))
         return {v.name: self._run(request, v) for v in todo}
 
     def _run(self, request: ReplayRequest, variant: Variant) -> VariantRun:
-        before = fingerprint(variant.batch)
+        batch = self.inputs.get(variant.name, variant.batch)
+        before = fingerprint(batch)
         torch.manual_seed(variant.config.trainer.seed)
         out = self.adapter.train_step(model_path=request.model, ref_model_path=request.ref_model,
-                                      batch=variant.batch, config=variant.config,
+                                      batch=batch, config=variant.config,
                                       steps=variant.steps, device=request.device)
         run = to_variant_run(variant, out, source=f"{self.name}.train_step",
                              model_path=request.model, dtype=request.dtype)
-        run.inputs_unchanged = unchanged_since(variant.batch, before)
+        run.inputs_unchanged = unchanged_since(batch, before)
         return run
 
 

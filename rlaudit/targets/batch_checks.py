@@ -105,10 +105,11 @@ def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens):
 
 def _layouts(env: StageEnv, check: str, body) -> CheckResult:
     t = env.tally(check)
-    batch = microbatch_input()
-    for dp, mbs, tokens in LAYOUTS:
-        label = _layout_label(dp, mbs, tokens)
-        attempt(t, label, lambda: body(t, batch, label, dp, _cut(env, batch, dp, mbs, tokens)))
+    for batch in env.setting("microbatch_inputs", None) or [microbatch_input()]:
+        for dp, mbs, tokens in env.setting("layouts", LAYOUTS):
+            label = _layout_label(dp, mbs, tokens)
+            attempt(t, label, lambda: body(t, batch, label, dp,
+                                           _cut(env, batch, dp, mbs, tokens)))
     return t
 
 

@@ -75,10 +75,27 @@ class StageEnv:
     cases: list[Case] = field(default_factory=default_cases)
     model_path: str | None = None
     decl: Declarations | None = None
+    #: what a caller varies beyond ``cases`` (rlaudit/targets/fuzz.py); empty: the fixed inputs
+    #: and settings. Keys: ``clip_settings``, ``estimator_settings``, ``kl_coef``, ``layouts``,
+    #: ``microbatch_inputs``, ``filter_inputs``; and a declared-names attribute (``loss_modes``,
+    #: ``loss_agg_modes``, ``advantage_estimators``, ``kl_estimators``, ``distill_losses``)
+    #: mapped to the names the checks are narrowed to.
+    overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.decl is None:
             self.decl = validate(self.adapter)
+
+    def setting(self, key: str, default):
+        """``overrides[key]`` if given, else ``default`` (the check's fixed setting)."""
+        return self.overrides.get(key, default)
+
+    def names(self, attr: str, reference, *, key: str | None = None) -> list[str]:
+        """The names the adapter implements (:func:`supported_names`), narrowed to
+        ``overrides[attr]`` when given."""
+        names = supported_names(self.adapter, attr, reference, key=key)
+        only = self.overrides.get(attr)
+        return names if only is None else [n for n in names if n in only]
 
     @property
     def name(self) -> str:
@@ -234,8 +251,9 @@ def _adv_kwargs(case: Case, estimator: str, setting: dict) -> dict:
 
 def _adv_runs(env: StageEnv):
     """(label, estimator, setting) for every supported estimator and its settings."""
-    for est in supported_names(env.adapter, "advantage_estimators", ref_adv.ADV_ESTIMATORS):
-        for setting in ESTIMATOR_SETTINGS.get(est, [{}]):
+    settings = env.setting("estimator_settings", ESTIMATOR_SETTINGS)
+    for est in env.names("advantage_estimators", ref_adv.ADV_ESTIMATORS):
+        for setting in settings.get(est, [{}]):
             label = est + "".join(f" {k}={v}" for k, v in setting.items())
             yield label, est, setting
 
@@ -324,7 +342,8 @@ KL_COEF = 0.1
 
 
 def _kl_reward_runs(env: StageEnv):
-    for kind in supported_names(env.adapter, "kl_estimators", KL_ESTIMATORS):
+    coef = env.setting("kl_coef", KL_COEF)
+    for kind in env.names("kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def run(kind=kind, case=case):
                 extra = ({"response_lengths": case["response_lengths"]}
@@ -333,11 +352,11 @@ def _kl_reward_runs(env: StageEnv):
                                   token_level_scores=case["token_level_scores"],
                                   old_log_probs=case["old_log_probs"],
                                   ref_log_probs=case["ref_log_probs"], response_mask=case.mask,
-                                  kl_coef=KL_COEF, kl_penalty=kind, **extra)
+                                  kl_coef=coef, kl_penalty=kind, **extra)
                 rewards, kl = out
                 want_r, want_kl = apply_kl_in_reward(
                     case["token_level_scores"], case["old_log_probs"], case["ref_log_probs"],
-                    case.mask, kl_coef=KL_COEF, kl_penalty=kind)
+                    case.mask, kl_coef=coef, kl_penalty=kind)
                 return rewards, kl, want_r, want_kl
             yield kind, case, run
 
@@ -377,7 +396,7 @@ def kl_penalty_parity(env: StageEnv) -> CheckResult:
     the reference's on valid tokens (straight-through ``k1+``/``k3+``: value of k1/k3, gradient
     of k2)."""
     t = env.tally("kl_penalty:parity")
-    for kind in supported_names(env.adapter, "kl_estimators", KL_ESTIMATORS):
+    for kind in env.names("kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def one(kind=kind, case=case):
                 out, given = env.call("kl_penalty", label=f"{kind} on {case.name}",
@@ -414,7 +433,7 @@ def agg_parity(env: StageEnv) -> CheckResult:
     ``seq-mean-token-sum-norm`` divides by the width R), and a batch without any valid token
     gives 0, not NaN."""
     t = env.tally("agg_loss:parity")
-    for mode in supported_names(env.adapter, "loss_agg_modes", AGG_MODES):
+    for mode in env.names("loss_agg_modes", AGG_MODES):
         for case in env.cases:
             def one(mode=mode, case=case):
                 lm = _loss_input(case).requires_grad_(True)
@@ -444,7 +463,7 @@ def agg_global_split(env: StageEnv) -> CheckResult:
     t = env.tally("agg_loss:global-split")
     if not accepts(env.adapter.agg_loss, "denominators"):
         return CheckResult(t.check, env.name, NA, "agg_loss takes no `denominators` argument")
-    for mode in supported_names(env.adapter, "loss_agg_modes", AGG_MODES):
+    for mode in env.names("loss_agg_modes", AGG_MODES):
         for case in env.cases:
             def one(mode=mode, case=case):
                 lm = _loss_input(case)
@@ -503,7 +522,8 @@ def run_stage_checks(adapter: object, *, stages: list[str] | None = None,
                      model_path: str | None = None) -> ScenarioResult:
     """Every registered check, on the stages the adapter provides (``stages`` restricts them),
     as the pseudo-scenario ``"stages"`` with the adapter as its only backend."""
-    from rlaudit.targets import batch_checks, loss_checks  # noqa: F401  (register their checks)
+    from rlaudit.targets import (batch_checks, filter_checks,  # noqa: F401  (register)
+                                 loss_checks)
     t0 = time.perf_counter()
     env = StageEnv(adapter, model_path=model_path)
     name = env.name

@@ -123,6 +123,8 @@ class Declarations:
     tolerances: dict[str, Tolerance] = field(default_factory=dict)
     metric_reduction: str = "contribution"
     differences: tuple[Difference, ...] = ()
+    #: train_step applies DAPO's group filter itself (gets the unfiltered rows)
+    filters_groups: bool = False
 
     def stage_tolerance(self, check: str) -> Tolerance:
         """The tolerance of stage check ``check`` (``"policy_loss:parity"``): an override for the
@@ -238,6 +240,11 @@ def validate(adapter: object) -> Declarations:
     out.tolerances = {str(k): _tolerance(v, source, f"tolerances.{k}") for k, v in tols.items()}
     out.metric_reduction = _names(getattr(adapter, "metric_reduction", None) or "contribution",
                                   METRIC_REDUCTIONS, "metric_reduction", source)
+    filters = getattr(adapter, "filters_groups", False)
+    if not isinstance(filters, bool):
+        raise InputError(f"expected True or False, got {filters!r}", source=source,
+                         key="filters_groups")
+    out.filters_groups = filters
     diffs = getattr(adapter, "differences", None) or ()
     if isinstance(diffs, Difference) or not isinstance(diffs, (tuple, list)):
         raise InputError("expected a tuple of Difference", source=source, key="differences")

@@ -16,8 +16,9 @@ is at risk, and the value checks see any harm it does. Scalar outputs viewing on
 (metrics unpacked from a stacked vector) are not noted; metrics-are-copies checks whether such a
 tensor is reused later.
 
-Micro-batches returned by ``make_microbatches`` may be views of the input batch (most trainers
-slice rather than copy); for that stage only input mutation is checked.
+Micro-batches returned by ``make_microbatches`` and the kept rows ``filter_groups`` returns may be
+views of the input batch (most trainers slice rather than copy, and a filter that keeps every row
+may return its input); for those stages only input mutation is checked.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from rlaudit.data.batch import RolloutBatch
 
 #: stages whose outputs may legitimately view their inputs
-VIEWS_ALLOWED = frozenset({"make_microbatches"})
+VIEWS_ALLOWED = frozenset({"make_microbatches", "filter_groups"})
 
 
 class AdapterRaised(Exception):

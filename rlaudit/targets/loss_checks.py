@@ -18,7 +18,7 @@ from rlaudit.algo.policy_loss import POLICY_LOSSES
 from rlaudit.scenarios.invariants.stage_checks import _inputs as distill_inputs
 from rlaudit.scenarios.invariants.stage_checks import check_nested_losses
 from rlaudit.scenarios.result import NA, CheckResult
-from rlaudit.targets.adapter import accepts, supported_names
+from rlaudit.targets.adapter import accepts
 from rlaudit.targets.cases import Case, fixed_permutation, split_rows, with_garbage
 from rlaudit.targets.checks import StageEnv, Tally, _grad_of, attempt, stage_check
 from rlaudit.targets.guard import AdapterRaised
@@ -66,10 +66,11 @@ def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None
     return loss.detach(), metrics, _grad_of(loss, kw["log_prob"])
 
 
-def _policy_runs(env: StageEnv, clips=CLIP_SETTINGS):
-    modes = supported_names(env.adapter, "loss_modes", POLICY_LOSSES)
-    for mode in modes:
-        for agg in supported_names(env.adapter, "loss_agg_modes", AGG_MODES, key=mode):
+def _policy_runs(env: StageEnv, *, first_clip_only: bool = False):
+    clips = env.setting("clip_settings", CLIP_SETTINGS)
+    clips = clips[:1] if first_clip_only else clips
+    for mode in env.names("loss_modes", POLICY_LOSSES):
+        for agg in env.names("loss_agg_modes", AGG_MODES, key=mode):
             for clip in clips:
                 yield f"{mode}/{agg} clip={clip}", mode, agg, clip
 
@@ -108,7 +109,7 @@ def policy_global_split(env: StageEnv) -> CheckResult:
     if not accepts(env.adapter.policy_loss, "denominators"):
         return CheckResult(t.check, env.name, NA, "policy_loss takes no `denominators` argument")
     local_metrics = env.decl.metric_reduction == "microbatch-mean"
-    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+    for label, mode, agg, clip in _policy_runs(env, first_clip_only=True):
         for case in env.cases:
             def one():
                 denom = Denominators.of(case.mask, norm_len=case.shape[1])
@@ -147,7 +148,7 @@ def policy_global_split(env: StageEnv) -> CheckResult:
 def policy_permutation(env: StageEnv) -> CheckResult:
     """Permuting rows leaves the loss unchanged and permutes its gradient the same way."""
     t = env.tally("policy_loss:row-permutation")
-    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+    for label, mode, agg, clip in _policy_runs(env, first_clip_only=True):
         for case in env.cases:
             if len(case.mask) < 2:
                 continue
@@ -167,7 +168,7 @@ def policy_masked(env: StageEnv) -> CheckResult:
     """Log-probs and advantages written where ``response_mask`` is False (finite garbage) change
     neither the loss, nor the metrics, nor the gradient; the gradient on masked tokens is 0."""
     t = env.tally("policy_loss:masked-values")
-    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+    for label, mode, agg, clip in _policy_runs(env, first_clip_only=True):
         for case in env.cases:
             def one():
                 loss, metrics, grad = _adapter_policy(env, case, mode, agg, clip)
@@ -192,7 +193,7 @@ def policy_metrics_copies(env: StageEnv) -> CheckResult:
     on other inputs (a metric returned as a view of a buffer the adapter reuses changes later)."""
     t = env.tally("policy_loss:metrics-are-copies")
     first, second = env.cases[0], env.cases[1 % len(env.cases)]
-    for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
+    for label, mode, agg, clip in _policy_runs(env, first_clip_only=True):
         def one():
             loss, metrics, _ = _adapter_policy(env, first, mode, agg, clip)
             kept = {"loss": loss, **metrics}
@@ -224,7 +225,7 @@ def distill_parity(env: StageEnv) -> CheckResult:
     student's log-probs) equal the reference's on valid tokens."""
     t = env.tally("distill_loss:parity")
     lengths, width, mask, (s_k, t_k, s_1, t_1) = _distill_case(env)
-    for name in supported_names(env.adapter, "distill_losses", DISTILL_LOSSES):
+    for name in env.names("distill_losses", DISTILL_LOSSES):
         s, teacher = (s_k, t_k) if name == "forward_kl_topk" else (s_1, t_1)
 
         def one(name=name, s=s, teacher=teacher):
@@ -247,7 +248,7 @@ def distill_nested(env: StageEnv) -> CheckResult:
     tensors with a mask give the same per-token losses and gradients, for rows of length 0, 1 and
     the full width (verl PR #5997: index operations failed on nested tensors)."""
     lengths, width, mask, _ = _distill_case(env)
-    names = supported_names(env.adapter, "distill_losses", DISTILL_LOSSES)
+    names = env.names("distill_losses", DISTILL_LOSSES)
     losses = {f"distill:{n}": (lambda s, t, m, n=n: env.adapter.distill_loss(
         name=n, student=s, teacher=t, mask=m), n == "forward_kl_topk") for n in names}
     view = SimpleNamespace(batch=_LengthsView(lengths, width))

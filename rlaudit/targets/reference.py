@@ -20,6 +20,7 @@ import torch
 
 from rlaudit.algo.advantages import compute_advantages
 from rlaudit.algo.agg import agg_loss
+from rlaudit.algo.dapo import filter_groups
 from rlaudit.algo.distill import compute_distill_loss
 from rlaudit.algo.kl import kl_penalty
 from rlaudit.algo.policy_loss import compute_policy_loss
@@ -44,6 +45,10 @@ class ReferenceAdapter(TargetAdapter):
     train_precision = "float64"
 
     # ---- math stages -------------------------------------------------------------------------
+    def filter_groups(self, *, batch: RolloutBatch, metric: torch.Tensor) -> RolloutBatch:
+        """DAPO dynamic sampling: the rows of groups whose ``metric`` varies, and singletons."""
+        return batch.select(filter_groups(batch["uid"], metric).nonzero().flatten())
+
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,
                            values=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
         return compute_advantages(estimator, token_level_rewards=token_level_rewards,

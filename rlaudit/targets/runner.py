@@ -70,14 +70,13 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
         from rlaudit.scenarios.spec import load_scenario, resolve
         scenarios = [load_scenario(p) for p in resolve(scenario_names or [], all_=all_,
                                                        root=scenarios_dir)]
-        from rlaudit.update.step import select_groups
-        # the same rows the scenario engine replays (DAPO group filter applied when enabled)
-        plans = [(s, lambda s=s: select_groups(load_rollout(s.rollout), s.config)[0])
-                 for s in scenarios]
+        # the same rows the scenario engine replays (DAPO group filter applied when enabled),
+        # and the unfiltered ones for targets that filter in their own train_step
+        plans = [(s, lambda s=s: _filtered(load_rollout(s.rollout), s)) for s in scenarios]
     else:
         ref = builtin.tiny_model_path(scenarios_dir, "llama")
         plans = [(builtin.scenario(model, invariants, ref_model_path=ref),
-                  lambda: builtin.rollout(model))]
+                  lambda: (builtin.rollout(model), None))]
     for scn, rollout in plans:
         if not has_stage(adapter, "train_step"):
             results.append(ScenarioResult(
@@ -85,14 +84,24 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
                 checks=[CheckResult("*", name, NA, f"{name} does not provide train_step: no "
                                     f"run-level invariant applies")]))
             continue
-        results.append(run_target_scenario(adapter, scn, rollout(), invariants=invariants))
+        batch, raw = rollout()
+        results.append(run_target_scenario(adapter, scn, batch, invariants=invariants,
+                                           unfiltered=raw))
     return results
 
 
+def _filtered(raw, scn: Scenario):
+    from rlaudit.update.step import select_groups
+    return select_groups(raw, scn.config)[0], raw
+
+
 def run_target_scenario(adapter: object, scn: Scenario, batch, *,
-                        invariants: list[str] | None = None) -> ScenarioResult:
+                        invariants: list[str] | None = None,
+                        unfiltered=None) -> ScenarioResult:
     """One scenario: replay its variants on the adapter and the reference backend, then check
-    its invariants (or ``invariants``)."""
+    its invariants (or ``invariants``). ``batch``: the rows replayed (after DAPO's group filter
+    when the scenario enables it); ``unfiltered``: the rollout before the filter, handed (with
+    each variant's rows) to an adapter declaring ``filters_groups``."""
     t0 = time.perf_counter()
     target = AdapterBackend(adapter)
     name = target.name
@@ -102,6 +111,12 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
         invariants=list(invariants or scn.invariants))
     check_sampling_matches(scn, batch)
     variants = build_variants(scn, batch)
+    decl = validate(adapter)
+    if (decl.filters_groups and unfiltered is not None
+            and scn.config.algorithm.filter_groups.enable):
+        from rlaudit.targets.dynamic_sampling import unfiltered_inputs
+        target.inputs, skipped = unfiltered_inputs(variants, unfiltered)
+        target.skipped.update(skipped)
     res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=[name, ORACLE],
                          config=flatten(to_dict(scn.config)), layouts=dict(scn.backends),
                          dtype=scn.dtype, device=scn.device, tags=[*scn.tags, "target"],
@@ -126,7 +141,6 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
             res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0], {"traceback": err}))
-    decl = validate(adapter)
     if decl.noise() and ORACLE in runs:
         attach_noise_floor(runs, scn, variants, decl.noise())
     ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,

@@ -73,16 +73,19 @@ def select_groups(batch: RolloutBatch, cfg: Config) -> tuple[RolloutBatch, int]:
     ``seq_reward`` = score + overlong penalty; ``seq_final_reward`` = the same, because the filter
     runs before old/reference log-probs exist (as in verl's DAPO recipe), so KL-in-reward cannot
     have been applied yet."""
-    fg = cfg.algorithm.filter_groups
-    if not fg.enable:
+    if not cfg.algorithm.filter_groups.enable:
         return batch, int(torch.unique(batch["uid"]).numel())
-    if fg.metric in ("acc", "score"):
-        metric = batch["scores"].double()
-    else:
-        metric, _ = sequence_scores(batch, cfg)
-    keep = filter_groups(batch["uid"], metric)
+    keep = filter_groups(batch["uid"], filter_metric(batch, cfg))
     kept = batch.select(keep.nonzero().flatten())
     return kept, int(torch.unique(kept["uid"]).numel()) if len(kept) else 0
+
+
+def filter_metric(batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """[B] float64: the per-trajectory value DAPO's group filter reads
+    (``algorithm.filter_groups.metric``; see :func:`select_groups`)."""
+    if cfg.algorithm.filter_groups.metric in ("acc", "score"):
+        return batch["scores"].double()
+    return sequence_scores(batch, cfg)[0]
 
 
 def prepare_batch(roles: Roles, batch: RolloutBatch, cfg: Config) -> tuple[RolloutBatch, dict]:

@@ -213,6 +213,19 @@ class NaNAdvantages(ReferenceAdapter):
         return adv, ret
 
 
+class FilterDropsSingletons(ReferenceAdapter):
+    """DAPO's group filter without its ``or len(group) == 1`` clause: a one-row group has std 0,
+    so it is dropped (verl's recipe keeps it)."""
+
+    name = "filter-drops-singletons"
+
+    def filter_groups(self, *, batch, metric):
+        uid = batch["uid"]
+        keep = [i for i in range(len(uid))
+                if len({float(metric[j]) for j in (uid == uid[i]).nonzero().flatten()}) > 1]
+        return batch.select(keep)
+
+
 # ---- train_step (ToyTrainer with one changed policy) -------------------------------------------
 
 class _EntropyOnlyInLoss(toy.ToyTrainer):
@@ -282,6 +295,13 @@ class _ClampsScoresInPlace(toy.ToyTrainer):
         return super().step(data)
 
 
+class _FilterRetakesScores(toy.ToyTrainer):
+    @staticmethod
+    def filter_groups(data, metric):     # DAPO filter, then scores re-taken from the unfiltered
+        kept = toy.ToyTrainer.filter_groups(data, metric)       # batch: rows misaligned
+        return {**kept, "scores": data["scores"][:len(kept["index"])]}
+
+
 def toy_with(trainer_class, name: str) -> type:
     """A ToyAdapter subclass that runs ``trainer_class``."""
     return type(f"Toy_{name}", (ToyAdapter,), {"trainer_class": trainer_class, "name": name})
@@ -297,6 +317,7 @@ IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
+FilterMisalignsScores = toy_with(_FilterRetakesScores, "filter-misaligns-scores")
 
 
 class MetricsOnly(ToyAdapter):

@@ -1,0 +1,177 @@
+"""DAPO dynamic sampling as a target surface: the ``filter_groups`` stage checks, and targets
+whose train_step filters itself (``filters_groups``) handed the unfiltered rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import broken_adapters as broken
+from examples.toy_trainer.adapter import ToyAdapter
+from rlaudit.backends.base import Variant
+from rlaudit.scenarios.result import FAIL, PASS
+from rlaudit.targets.checks import run_stage_checks
+from rlaudit.targets.filter_checks import default_filter_inputs
+from rlaudit.targets.reference import ReferenceAdapter
+
+STAGE = ["filter_groups"]
+
+
+def statuses(adapter):
+    return {c.invariant: c for c in run_stage_checks(adapter, stages=STAGE).checks}
+
+
+@pytest.mark.parametrize("adapter", [ReferenceAdapter(), ToyAdapter()], ids=["reference", "toy"])
+def test_correct_filters_pass(adapter):
+    checks = statuses(adapter)
+    assert set(checks) == {"filter_groups:kept-groups", "filter_groups:rows-aligned",
+                           "filter_groups:no-mutation"}
+    assert all(c.status == PASS for c in checks.values()), {k: c.message for k, c in
+                                                            checks.items()}
+
+
+def test_default_inputs_keep_the_hand_listed_groups():
+    """Independent of rlaudit.algo.dapo: the groups each input keeps, listed by hand."""
+    want = {"mixed": {10**12, 7, 2**40 + 3, 99},     # spread, singleton, spread, singleton
+            "all-kept": {3, 1, 2}, "none-kept": set()}
+    for inp in default_filter_inputs():
+        kept = ReferenceAdapter().filter_groups(batch=inp.batch, metric=inp.metric)
+        assert set(kept["uid"].tolist()) == want[inp.name], inp.name
+        # groups are not contiguous in any input with more than one group
+        uid = inp.batch["uid"].tolist()
+        runs = sum(1 for a, b in zip(uid, uid[1:]) if a != b) + 1
+        assert runs > len(set(uid)), inp.name
+
+
+class _ByPosition(ReferenceAdapter):
+    """Groups taken as consecutive runs of rows (contiguous groups assumed)."""
+
+    name = "filter-by-position"
+
+    def filter_groups(self, *, batch, metric):
+        uid = batch["uid"]
+        run = torch.cat([torch.zeros(1, dtype=torch.long),
+                         (uid[1:] != uid[:-1]).long().cumsum(0)])
+        from rlaudit.algo.dapo import filter_groups
+        return batch.select(filter_groups(run, metric).nonzero().flatten())
+
+
+class _KeepsEverything(ReferenceAdapter):
+    name = "filter-keeps-everything"
+
+    def filter_groups(self, *, batch, metric):
+        return batch
+
+
+class _ZeroesMaskedLogProbs(ReferenceAdapter):
+    """Correct, but cleans values under the mask: not compared, so not flagged."""
+
+    name = "filter-zeroes-masked"
+
+    def filter_groups(self, *, batch, metric):
+        kept = super().filter_groups(batch=batch, metric=metric)
+        lp = torch.where(kept.mask, kept["rollout_log_probs"], 0.0)
+        return dict(kept.tensors, rollout_log_probs=lp)
+
+
+class _Reversed(ReferenceAdapter):
+    """Correct, returns the kept rows in reverse order (order is not checked)."""
+
+    name = "filter-reversed"
+
+    def filter_groups(self, *, batch, metric):
+        kept = super().filter_groups(batch=batch, metric=metric)
+        return kept.select(range(len(kept) - 1, -1, -1))
+
+
+@pytest.mark.parametrize("cls, fails", [
+    (broken.FilterMisalignsScores, "filter_groups:rows-aligned"),
+    (broken.FilterDropsSingletons, "filter_groups:kept-groups"),
+    (_ByPosition, "filter_groups:kept-groups"),
+    (_KeepsEverything, "filter_groups:kept-groups"),
+    (_ZeroesMaskedLogProbs, None), (_Reversed, None),
+], ids=lambda x: getattr(x, "name", x))
+def test_filter_bugs_are_caught_and_harmless_choices_are_not(cls, fails):
+    checks = statuses(cls())
+    for name, c in checks.items():
+        assert c.status == (FAIL if name == fails else PASS), (name, c.message)
+    if cls is broken.FilterMisalignsScores:
+        assert "scores" in checks[fails].message
+    if cls is broken.FilterDropsSingletons:
+        assert "single row" in checks[fails].message
+
+
+def test_filter_writing_its_input_fails_no_mutation():
+    class Mutates(ReferenceAdapter):
+        name = "filter-mutates"
+
+        def filter_groups(self, *, batch, metric):
+            batch["scores"].clamp_(0, 1)
+            return super().filter_groups(batch=batch, metric=metric)
+
+    assert statuses(Mutates())["filter_groups:no-mutation"].status == FAIL
+
+
+# ---- targets that filter in their own train_step --------------------------------------------
+
+def _dapo():
+    from rlaudit.data.io import load_rollout
+    from rlaudit.scenarios.engine import build_variants
+    from rlaudit.scenarios.spec import load_scenario, resolve
+    from rlaudit.update.step import select_groups
+    scn = load_scenario(resolve(["dapo_filter_overlong"], all_=False, root="scenarios")[0])
+    raw = load_rollout(scn.rollout)
+    batch = select_groups(raw, scn.config)[0]
+    return scn, raw, batch, build_variants(scn, batch)
+
+
+def test_unfiltered_inputs_put_the_dropped_groups_back():
+    from rlaudit.targets.dynamic_sampling import unfiltered_inputs
+    scn, raw, batch, variants = _dapo()
+    inputs, skipped = unfiltered_inputs(variants, raw)
+    assert not skipped and set(inputs) == {v.name for v in variants}
+    given = inputs["base"]
+    assert len(raw) == 32 and len(batch) == 28 and len(given) == 32
+    # the dropped group (uid 4: every seq_reward 0.9166...) sits at rows 0, 8, 16, 24; the kept
+    # rows follow in the variant's order
+    dropped = [i for i, u in enumerate(given["uid"].tolist()) if u == 4]
+    assert dropped == [0, 8, 16, 24]
+    rest = [i for i in range(32) if i not in dropped]
+    for k in ("response_ids", "scores", "response_mask", "rollout_log_probs"):
+        assert torch.equal(given[k][rest], batch[k]), k
+    # a correct self-filtering trainer gets back exactly the variant's rows
+    from rlaudit.update.step import filter_metric
+    kept = ToyAdapter().filter_groups(batch=given, metric=filter_metric(given, scn.config))
+    assert torch.equal(kept["response_ids"], batch["response_ids"])
+    assert torch.equal(kept["scores"], batch["scores"])
+
+
+def test_a_variant_the_filter_would_change_is_not_run_with_the_reason():
+    from rlaudit.targets.dynamic_sampling import unfiltered_inputs
+    scn, raw, batch, _ = _dapo()
+    # two rows of group 0 with the same score: that group has no spread in this variant
+    uid0 = (batch["uid"] == 0).nonzero().flatten().tolist()
+    same = [i for i in uid0 if float(batch["scores"][i]) == float(batch["scores"][uid0[2]])]
+    sub = Variant("subset", scn.config, batch.select(same[:2]), 1)
+    inputs, skipped = unfiltered_inputs([sub], raw)
+    assert not inputs and "would not keep exactly" in skipped["subset"]
+
+
+@pytest.mark.slow
+def test_self_filtering_trainer_misaligning_a_field_is_caught_at_run_level():
+    """A toy trainer whose own DAPO filter re-takes ``scores`` from the unfiltered batch: caught
+    by backend parity on the DAPO scenario because it is handed the unfiltered rows. Declared
+    as not filtering (it then gets rows its filter keeps in full), the same bug is invisible:
+    the surface the declaration opens is what catches it. (The correct toy is green on this
+    scenario: test_run_level's every-shipped-scenario test.)"""
+    from rlaudit.targets.runner import run_target
+    for cls, want in ((broken.FilterMisalignsScores, FAIL),
+                      (type("Undeclared", (broken.FilterMisalignsScores,),
+                            {"filters_groups": False, "name": "undeclared"}), PASS)):
+        adapter = cls()
+        (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
+                            invariants=["backend-parity"])[1:]
+        (c,) = [c for c in res.checks if c.backend == adapter.name]
+        assert c.status == want, (adapter.name, c.message)
+        if want == FAIL:
+            assert "actor/grad_norm" in c.message or "score" in c.message
