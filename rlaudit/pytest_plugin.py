@@ -34,12 +34,12 @@ def pytest_configure(config):
 
 
 def _is_scenario(path: Path, root: Path | None = None) -> bool:
-    """``root``: the rootdir; only models/ and rollouts/ *below* it are data directories (a
+    """``root``: the rootdir; only models/, rollouts/ and found/ *below* it are data directories (a
     checkout that lives under some ``.../models/...`` keeps its scenarios)."""
     parts = path.parts
     if root is not None and path.is_relative_to(root):
         parts = path.relative_to(root).parts
-    if path.suffix not in (".yaml", ".yml") or {"models", "rollouts"} & set(parts[:-1]):
+    if path.suffix not in (".yaml", ".yml") or {"models", "rollouts", "found"} & set(parts[:-1]):
         return False
     try:
         import yaml

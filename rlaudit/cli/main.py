@@ -6,6 +6,7 @@
     rlaudit train CONFIG               the reference trainer
     rlaudit record ...                 write a fixed rollout (reference sampler or vLLM)
     rlaudit report                     drift across logged runs (terminal, Markdown, HTML)
+    rlaudit fuzz --target X            Hypothesis over a target's stage checks and train_step
 
 Exit codes: 0 ok, 1 a check failed, 2 bad input or usage.
 """
@@ -27,6 +28,7 @@ COMMANDS = {
     "train": "rlaudit.cli.train",
     "record": "rlaudit.cli.record",
     "report": "rlaudit.cli.report",
+    "fuzz": "rlaudit.cli.fuzz",
 }
 
 

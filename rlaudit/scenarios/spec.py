@@ -120,6 +120,9 @@ def load_scenario(path: str | Path) -> Scenario:
 def scenario_from_dict(data: Any, *, path: Path) -> Scenario:
     src = str(path)
     _expect(isinstance(data, dict), "expected a mapping at the top level", src, "")
+    _expect(data.get("kind") != "stage-case", "a stage case found by `rlaudit fuzz` replays "
+            "against the adapter it was found on: rlaudit run --target MODULE:ADAPTER "
+            f"{path}", src, "kind")
     unknown = sorted(set(data) - TOP_KEYS)
     _expect(not unknown, f"unknown key; valid keys: {', '.join(sorted(TOP_KEYS))}", src,
             unknown[0] if unknown else "")
@@ -228,11 +231,17 @@ def _tolerances(value: Any, src: str) -> dict[str, Tolerance]:
     return out
 
 
+#: directories under the scenarios root that hold data, not scenarios to discover (found/:
+#: cases written by `rlaudit fuzz`, replayed by path against their target)
+NOT_SCENARIO_DIRS = {"models", "rollouts", "found"}
+
+
 def discover(root: str | Path) -> list[Path]:
-    """Scenario files under ``root`` (``*.yaml`` not inside models/ or rollouts/), sorted."""
+    """Scenario files under ``root`` (``*.yaml`` not inside models/, rollouts/ or found/),
+    sorted."""
     root = Path(root)
     return sorted(p for p in root.rglob("*.yaml")
-                  if not {"models", "rollouts"} & set(p.relative_to(root).parts[:-1]))
+                  if not NOT_SCENARIO_DIRS & set(p.relative_to(root).parts[:-1]))
 
 
 def resolve(names: list[str], *, all_: bool, root: str | Path) -> list[Path]:

@@ -182,8 +182,14 @@ def padding_complete(env: StageEnv) -> CheckResult:
         t.checked += 1
         real = [(r, j, mb) for r, micros in enumerate(ranks) for j, mb in enumerate(micros)
                 if not _is_padding(mb)]
-        if not real:
+        if not real and bool(batch.mask.any()):
             t.fail(f"{label}: no micro-batch holds a valid token")
+            return
+        # a batch without any valid token: every micro-batch is padding, compared with the first
+        real = real or [(r, j, mb) for r, micros in enumerate(ranks)
+                        for j, mb in enumerate(micros)][:1]
+        if not real:
+            t.fail(f"{label}: no micro-batch at all")
             return
         r0, j0, first = real[0]
         want = _signature(first)

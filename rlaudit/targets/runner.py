@@ -65,6 +65,14 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
                          key="name")
     model = builtin.tiny_model_path(scenarios_dir)
     results = [run_stage_checks(adapter, stages=stages, model_path=str(model))]
+    # stage cases found by `rlaudit fuzz` (scenarios/found/*.yaml, kind: stage-case) replay
+    # their stage's checks on their input; scenario files run as scenarios
+    from rlaudit.targets.found import is_stage_case, replay
+    found = [n for n in scenario_names or [] if is_stage_case(n)]
+    scenario_names = [n for n in scenario_names or [] if n not in found]
+    results += [replay(adapter, p) for p in found]
+    if found and not (scenario_names or all_):
+        return results
     if scenario_names or all_:
         from rlaudit.data.io import load_rollout
         from rlaudit.scenarios.spec import load_scenario, resolve

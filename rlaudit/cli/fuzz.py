@@ -1,0 +1,83 @@
+"""``rlaudit fuzz``: drive a target's stage checks (and its train_step) with Hypothesis; write what
+fails, shrunk, under scenarios/found/ for ``rlaudit run --target`` to replay.
+
+    rlaudit fuzz --target examples.toy_trainer.adapter:ToyAdapter
+    rlaudit fuzz --target mypkg.audit:MyAdapter --stage policy_loss --budget 200
+
+Exit codes: 0 nothing found, 1 something found (and written), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, env_default
+from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK
+
+
+#: shown in --help; the library's defaults (rlaudit.targets.fuzz.DEFAULT_BUDGET,
+#: rlaudit.targets.fuzz_run.DEFAULT_RUN_BUDGET) apply when the option is not given, and
+#: tests/cli/test_fuzz_cli.py checks that these say the same (no torch import to build --help)
+HELP_BUDGET, HELP_RUN_BUDGET = 40, 8
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("fuzz", help="drive a target's checks with generated inputs (Hypothesis)")
+    p.add_argument("--target", required=True, metavar="MODULE:ADAPTER",
+                   help="the adapter to fuzz (see docs/targets.md)")
+    p.add_argument("--stage", action="append", dest="stages", metavar="STAGE",
+                   help="fuzz only this stage (repeatable; default: every stage the adapter "
+                        "provides; train_step: run-level examples)")
+    p.add_argument("--budget", type=int, default=None,
+                   help=f"Hypothesis examples per stage check (default: {HELP_BUDGET})")
+    p.add_argument("--run-budget", type=int, default=None,
+                   help=f"train_step examples, each a whole scenario on the target and the "
+                        f"reference (0: skip; default: {HELP_RUN_BUDGET})")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Hypothesis seed (default: %(default)s; the same seed draws the same "
+                        "examples)")
+    add_location_args(p, golden=False)
+    p.add_argument("--found-dir", default=None,
+                   help="where findings are written (default: <scenarios-dir>/found)")
+    p.add_argument("--report-dir", default=env_default("RLAUDIT_REPORTS", DEFAULT_REPORTS),
+                   help="holds the Hypothesis example database, fuzz/hypothesis/ "
+                        "(default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rlaudit.targets.fuzz import DEFAULT_BUDGET, fuzz_target
+    found_dir = args.found_dir or str(Path(args.scenarios_dir) / "found")
+    budget = DEFAULT_BUDGET if args.budget is None else args.budget
+    report = fuzz_target(args.target, stages=args.stages, budget=budget,
+                         run_budget=args.run_budget, rng_seed=args.seed, found_dir=found_dir,
+                         report_dir=args.report_dir, scenarios_dir=args.scenarios_dir)
+    if args.json:
+        json.dump({"target": report.target, "budget": report.budget,
+                   "seconds": round(report.seconds, 3),
+                   "checks": [vars(o) for o in report.outcomes],
+                   "findings": [{"check": f.check, "message": f.message,
+                                 "path": str(f.path) if f.path else None,
+                                 "examples": f.examples, "seconds": round(f.seconds, 3)}
+                                for f in report.findings]}, sys.stdout, indent=1)
+        print()
+    else:
+        print(render(report, args.target))
+    return EXIT_CHECK_FAILED if report.findings else EXIT_OK
+
+
+def render(report, target: str) -> str:
+    lines = [f"rlaudit fuzz {report.target}: {len(report.findings)} finding(s), budget "
+             f"{report.budget} per stage check, {report.seconds:.1f}s", "",
+             f"{'check':44s} {'result':6s} {'examples':>8s} {'seconds':>8s}"]
+    for o in report.outcomes:
+        note = f"  ({o.note})" if o.note else ""
+        lines.append(f"{o.check:44s} {o.status:6s} {o.examples:8d} {o.seconds:8.1f}{note}")
+    for f in report.findings:
+        lines += ["", f"FOUND {f.check} after {f.examples} example(s): {f.message}"]
+        if f.path:
+            lines.append(f"  replay: rlaudit run --target {target} {f.path}")
+    return "\n".join(lines)

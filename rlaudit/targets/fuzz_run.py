@@ -1,0 +1,357 @@
+"""Run-level fuzzing of an adapter's ``train_step`` (part of ``rlaudit fuzz``).
+
+Each example is a whole scenario: Hypothesis draws a training configuration (every knob in
+:data:`KNOBS`, the first value of each being rlaudit's default, so the simplest example is the
+default configuration) and a geometry of the built-in rollout (rows dropped, rows reordered, rule
+scores as sampled or as 0/1 accuracy). The scenario is replayed on the target and on the reference
+backend through :func:`rlaudit.targets.runner.run_target_scenario` — the target's declared
+precision, noise floor, metric reduction, differences and ``supports`` apply as in ``rlaudit run``
+— with the invariants that need no variant beyond the base run (:data:`INVARIANTS`). Configs the
+adapter does not support are discarded, not counted as passed.
+
+An example costs three training runs (target, reference, the reference's noise-floor replay), so
+Hypothesis only generates; the first failure is shrunk here, greedily and within a bound
+(:data:`MAX_SHRINKS` runs): each knob back to its default, the rows back in order, then rows
+dropped, each change kept while the same invariant still fails. The result is written as an
+ordinary scenario (``<name>.yaml`` + ``<name>.safetensors``) that ``rlaudit run --target X``
+replays.
+
+Held fixed, as the built-in scenario does (so that every term a knob switches on moves results
+visibly): the tiny Qwen2 snapshot, the tiny Llama as reference policy, float64, SGD with lr 0.5,
+KL coefficients 0.1, the rollout's temperature 0.7.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from hypothesis import HealthCheck, Phase, Verbosity, assume, example, given, seed, settings
+from hypothesis import strategies as st
+
+from rlaudit.algo.advantages import ADV_ESTIMATORS
+from rlaudit.algo.agg import AGG_MODES
+from rlaudit.algo.kl import KL_ESTIMATORS
+from rlaudit.algo.policy_loss import POLICY_LOSSES
+from rlaudit.config import load_config
+from rlaudit.data.batch import RolloutBatch
+from rlaudit.data.io import save_rollout
+from rlaudit.errors import InputError
+from rlaudit.scenarios.result import ERROR, FAIL
+from rlaudit.scenarios.spec import Scenario
+from rlaudit.targets import builtin
+from rlaudit.targets.adapter import adapter_name, supported_names, supports
+from rlaudit.targets.fuzz_inputs import default_first
+
+#: examples per run-level fuzz (``--run-budget``)
+DEFAULT_RUN_BUDGET = 8
+#: training runs the greedy shrink may spend
+MAX_SHRINKS = 12
+#: invariants that read only the base run (no extra variant: one example = three runs)
+INVARIANTS = ["backend-parity", "no-input-mutation", "reward-shaping", "rollout-parity",
+              "sanity-bounds", "distributed-health"]
+#: fixed part of every example's config (see the module docstring)
+BASE = {
+    "actor": {"optim": {"name": "sgd", "lr": 0.5}, "kl_loss_coef": 0.1},
+    "algorithm": {"kl_coef": 0.1},
+    "rollout": {"n": builtin.N, "response_length": builtin.MAX_NEW_TOKENS,
+                "temperature": builtin.TEMPERATURE},
+    "reward": {"overlong_buffer": {"len": 2, "penalty_factor": 1.0}},
+    "data": {"train_batch_size": builtin.PROMPTS},
+    "trainer": {"dtype": "float64", "seed": builtin.SEED},
+}
+#: scores >= this are 1, else 0, under the "accuracy" score knob (one group then has no spread)
+ACCURACY_AT = 0.9
+
+
+def knobs(adapter) -> dict[str, list]:
+    """Dotted config key (or a pseudo key) -> values, the default first; names restricted to
+    what the adapter declares it implements."""
+    def names(attr, registry, default):
+        return default_first(supported_names(adapter, attr, registry), default, registry)
+
+    kls = names("kl_estimators", KL_ESTIMATORS, "low_var_kl")
+    return {
+        "steps": [1, 2],
+        "actor.ppo_epochs": [1, 2],
+        "actor.ppo_mini_batch_size": [4, 1],
+        "actor.ppo_micro_batch_size_per_gpu": [2, 1, 4],
+        "actor.use_dynamic_bsz": [False, True],
+        "actor.loss_mode": names("loss_modes", POLICY_LOSSES, "vanilla"),
+        "actor.loss_agg_mode": default_first(list(AGG_MODES), "token-mean"),
+        "clip": [None, (0.2, 0.28)],
+        "actor.calculate_entropy": [False, True],
+        "actor.entropy_coeff": [0.0, 0.01],
+        "actor.use_kl_loss": [False, True],
+        "actor.kl_loss_type": kls,
+        "algorithm.use_kl_in_reward": [False, True],
+        "algorithm.kl_penalty": default_first(kls, "kl", KL_ESTIMATORS),
+        "algorithm.adv_estimator": [e for e in names("advantage_estimators", ADV_ESTIMATORS,
+                                                     "grpo") if e in ("grpo", "rloo")],
+        "algorithm.norm_adv_by_std_in_grpo": [True, False],
+        "algorithm.filter_groups.enable": [False, True],
+        "reward.overlong_buffer.enable": [False, True],
+        "trainer.extra_padding_microbatches": [0, 1],
+        "scores": ["sampled", "accuracy"],
+    }
+
+
+def example_strategy(adapter, rows: int):
+    table = knobs(adapter)
+
+    @st.composite
+    def example(draw):
+        values = {k: draw(st.sampled_from(v)) for k, v in table.items() if v}
+        drop = draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+        order = draw(st.permutations(list(range(rows))))
+        return {"knobs": values, "drop": drop, "order": order}
+    return example()
+
+
+def default_example(table: dict, rows: int) -> dict:
+    """The first example (Hypothesis' explicit phase): every knob at its default, every row of
+    the built-in rollout in order."""
+    return {"knobs": {k: v[0] for k, v in table.items() if v}, "drop": [False] * rows,
+            "order": list(range(rows))}
+
+
+def config_of(values: dict) -> tuple[dict, int]:
+    """(config dict, steps) of knob values."""
+    cfg = yaml.safe_load(yaml.safe_dump(BASE))
+    for key, v in values.items():
+        if key in ("steps", "scores") or v is None:
+            continue
+        if key == "clip":
+            cfg["actor"]["clip_ratio_low"], cfg["actor"]["clip_ratio_high"] = v
+            continue
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    if values.get("actor.use_dynamic_bsz"):
+        cfg["actor"]["ppo_max_token_len_per_gpu"] = 24
+    return cfg, int(values.get("steps", 1))
+
+
+def rollout_of(batch: RolloutBatch, ex: dict) -> RolloutBatch | None:
+    """The drawn geometry of the built-in rollout (None: fewer than two rows left)."""
+    rows = [i for i in ex["order"] if not ex["drop"][i]]
+    if len(rows) < 2:
+        return None
+    out = batch.select(rows)
+    if ex["knobs"].get("scores") == "accuracy":
+        out = out.with_fields(scores=(out["scores"] >= ACCURACY_AT).double())
+    return out
+
+
+class _Found(Exception):
+    pass
+
+
+class RunProbe:
+    """Runs examples as scenarios against the target (one temporary rollout file each)."""
+
+    def __init__(self, adapter, scenarios_dir):
+        self.adapter = adapter
+        self.name = adapter_name(adapter)
+        self.model = builtin.tiny_model_path(scenarios_dir)
+        self.ref = builtin.tiny_model_path(scenarios_dir, "llama")
+        self.batch = builtin.rollout(self.model)
+        self.tmp = Path(tempfile.mkdtemp(prefix="rlaudit-fuzz-"))
+        self.runs = 0
+
+    def scenario(self, ex: dict, rollout_path: Path) -> Scenario | None:
+        cfg_dict, steps = config_of(ex["knobs"])
+        try:
+            cfg = load_config(cfg_dict, source="rlaudit fuzz")
+        except InputError:
+            return None
+        return Scenario(name="fuzz", path=Path("<rlaudit fuzz>"), description="",
+                        model=self.model, ref_model=self.ref, rollout=rollout_path, config=cfg,
+                        backends={"reference": {}}, invariants=list(INVARIANTS), steps=steps,
+                        dtype="float64", tolerances={"default": builtin.TOLERANCE},
+                        tags=["fuzz"])
+
+    def run(self, ex: dict):
+        """(failing invariants of the target, their messages) or None when the example does
+        not apply (unsupported config, nothing left after the group filter)."""
+        raw = rollout_of(self.batch, ex)
+        if raw is None:
+            return None
+        path = self.tmp / f"example-{self.runs}.safetensors"
+        save_rollout(raw, path)
+        scn = self.scenario(ex, path)
+        if scn is None or not supports(self.adapter, scn.config)[0]:
+            return None
+        from rlaudit.targets.runner import run_target_scenario
+        from rlaudit.update.step import select_groups
+        batch = select_groups(raw, scn.config)[0]
+        if len(batch) < 2:
+            return None
+        self.runs += 1
+        try:
+            res = run_target_scenario(self.adapter, scn, batch, invariants=list(INVARIANTS),
+                                      unfiltered=raw)
+        except InputError:      # e.g. mini-batches that do not divide the drawn rows
+            return None
+        bad = {}
+        for c in res.checks:
+            if c.status in (FAIL, ERROR):
+                who = "" if c.backend == self.name else f" [{c.backend}]"
+                bad.setdefault(c.invariant + who, c.message)
+        return bad
+
+
+def _shrink(probe: RunProbe, ex: dict, bad: dict, want: str, table: dict) -> tuple[dict, dict]:
+    """Greedy, bounded: knobs to defaults, rows in order, rows dropped; each change kept while
+    ``want`` still fails. Returns the smallest failing example and its failures."""
+    budget, last = MAX_SHRINKS, bad
+
+    def still(candidate) -> bool:
+        nonlocal budget, last
+        if budget <= 0:
+            return False
+        budget -= 1
+        got = probe.run(candidate)
+        if got and want in got:
+            last = got
+            return True
+        return False
+
+    def reset(ex, keys):
+        return {**ex, "knobs": {**ex["knobs"], **{k: table[k][0] for k in keys}}}
+
+    changed = [k for k, v in table.items() if v and ex["knobs"].get(k) != v[0]]
+    while len(changed) > 2:             # halves first: one needed knob costs ~log2 runs
+        half = len(changed) // 2
+        for part, rest in ((changed[:half], changed[half:]), (changed[half:], changed[:half])):
+            if still(reset(ex, part)):
+                ex, changed = reset(ex, part), rest
+                break
+        else:
+            break
+    for key in changed:
+        if still(reset(ex, [key])):
+            ex = reset(ex, [key])
+    if ex["order"] != sorted(ex["order"]):
+        cand = {**ex, "order": sorted(ex["order"])}
+        if still(cand):
+            ex = cand
+    for i in range(len(ex["drop"])):
+        if not ex["drop"][i]:
+            cand = {**ex, "drop": [d or j == i for j, d in enumerate(ex["drop"])]}
+            if still(cand):
+                ex = cand
+    return ex, last
+
+
+def fuzz_train_step(adapter, report, *, spec: str, budget: int | None, found_dir, database,
+                    rng_seed: int = 0, write: bool = True, scenarios_dir="scenarios") -> None:
+    """Run-level fuzzing; appends an outcome (and a finding) for ``train_step`` to ``report``."""
+    from rlaudit.targets.fuzz import CheckOutcome
+    budget = DEFAULT_RUN_BUDGET if budget is None else budget
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InputError(f"expected an integer >= 0, got {budget!r}", key="--run-budget")
+    check = "train_step:run-level"
+    if budget == 0:
+        report.outcomes.append(CheckOutcome(check, "n/a", note="--run-budget 0"))
+        return
+    probe = RunProbe(adapter, scenarios_dir)
+    table = knobs(adapter)
+    state = {"n": 0, "hit": None}
+
+    def body(ex):
+        bad = probe.run(ex)
+        assume(bad is not None)
+        state["n"] += 1
+        if bad:
+            state["hit"] = (ex, bad)
+            raise _Found()
+
+    test = settings(max_examples=budget, database=database, deadline=None,
+                    report_multiple_bugs=False, verbosity=Verbosity.quiet,
+                    suppress_health_check=list(HealthCheck),
+                    phases=(Phase.explicit, Phase.reuse, Phase.generate))(
+        seed(rng_seed)(example(default_example(table, len(probe.batch)))(
+            given(example_strategy(adapter, len(probe.batch)))(body))))
+    test._hypothesis_internal_database_key = hashlib.sha256(
+        f"rlaudit-fuzz-run:1:{probe.name}".encode()).digest()
+    t0 = time.perf_counter()
+    try:
+        test()
+    except _Found:
+        pass
+    try:
+        _finish(probe, report, state, table, check=check, t0=t0, budget=budget, spec=spec,
+                found_dir=found_dir, rng_seed=rng_seed, write=write)
+    finally:
+        shutil.rmtree(probe.tmp, ignore_errors=True)
+
+
+def _finish(probe, report, state, table, *, check, t0, budget, spec, found_dir, rng_seed,
+            write) -> None:
+    from rlaudit.targets.fuzz import CheckOutcome, Finding, found_name
+    if state["hit"] is None:
+        report.outcomes.append(CheckOutcome(check, "clean", state["n"],
+                                            time.perf_counter() - t0,
+                                            note=f"{probe.runs} scenario runs"))
+        return
+    ex, bad = state["hit"]
+    want = next(iter(bad))
+    ex, bad = _shrink(probe, ex, bad, want, table)
+    message = f"{want}: {bad[want]}"
+    seconds = time.perf_counter() - t0
+    path = None
+    if write:
+        path = save_run_case(Path(found_dir), found_name(probe.name, "train_step"), probe, ex,
+                             target=spec, message=message,
+                             found_by={"command": "rlaudit fuzz", "run_budget": budget,
+                                       "seed": rng_seed, "examples_until_found": state["n"],
+                                       "runs": probe.runs})
+    report.outcomes.append(CheckOutcome(check, "found", state["n"], seconds,
+                                        note=f"{probe.runs} scenario runs"))
+    report.findings.append(Finding(check, message, None, path, state["n"], seconds))
+
+
+def save_run_case(directory: Path, name: str, probe: RunProbe, ex: dict, *, target: str,
+                  message: str, found_by: dict) -> Path:
+    """An ordinary scenario file plus its rollout: ``rlaudit run --target X <path>``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = rollout_of(probe.batch, ex)
+    save_rollout(raw, directory / f"{name}.safetensors")
+    cfg, steps = config_of(ex["knobs"])
+    changed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ex["knobs"].items()
+               if v != knobs(probe.adapter)[k][0]}
+    doc = {
+        "description": (f"Found by `rlaudit fuzz` on {target}: {message[:400]} | knobs off "
+                        f"their defaults: {changed or 'none'}; rows of the built-in rollout "
+                        f"kept, in order: {[i for i in ex['order'] if not ex['drop'][i]]}. "
+                        f"Replay: rlaudit run --target {target} {directory / (name + '.yaml')}"),
+        "model": os.path.relpath(probe.model, directory),
+        "ref_model": os.path.relpath(probe.ref, directory),
+        "rollout": f"{name}.safetensors", "steps": steps, "dtype": "float64",
+        "config": cfg, "backends": {"reference": {}}, "invariants": list(INVARIANTS),
+        "tolerances": {"default": {"rtol": builtin.TOLERANCE.rtol,
+                                   "atol": builtin.TOLERANCE.atol}},
+        "tags": ["found", "fuzz"],
+    }
+    path = directory / f"{name}.yaml"
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"# found_by: {found_by}\n")
+            yaml.safe_dump(doc, f, sort_keys=False, width=100)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+__all__ = ["DEFAULT_RUN_BUDGET", "INVARIANTS", "fuzz_train_step", "knobs"]

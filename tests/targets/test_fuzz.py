@@ -1,0 +1,272 @@
+"""``rlaudit fuzz``: finds every deliberately broken adapter without the fixed stage inputs,
+within the default budget, writes a case that ``rlaudit run`` replays, and finds nothing on the
+correct adapters (zero false alarms)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import broken_adapters as broken
+from examples.toy_trainer.adapter import ToyAdapter
+from rlaudit.errors import InputError
+from rlaudit.scenarios.result import FAIL
+from rlaudit.targets.fuzz import DEFAULT_BUDGET, fuzz_target
+from rlaudit.targets.fuzz_inputs import (BOUND_GAP, EXTREME_LOG_RATIO, K3_SAFE, cases,
+                                         filter_draws, microbatch_draws)
+from rlaudit.targets.reference import ReferenceAdapter
+from rlaudit.targets.runner import run_target
+
+# broken adapter, the check the fuzzer must fail it on (its stage is fuzzed alone)
+STAGE_BUGS = [
+    (broken.RewardsAliasScores, "apply_kl_in_reward:no-mutation"),
+    (broken.StoredKLInPlace, "apply_kl_in_reward:stored-kl-unaltered"),
+    (broken.PerMicroBatchNorm, "agg_loss:global-split"),
+    (broken.PerMicroBatchNorm, "policy_loss:global-split"),
+    (broken.IgnoresClipHigh, "policy_loss:parity"),
+    (broken.HardCodedPaddingKeys, "make_microbatches:padding-complete"),
+    (broken.NoPaddingMicrobatches, "make_microbatches:equal-count-per-rank"),
+    (broken.DropsLastRow, "make_microbatches:tokens-exactly-once"),
+    (broken.NestedIndexingDistill, "distill_loss:nested-matches-padded"),
+    (broken.GroupsByPosition, "compute_advantages:row-permutation"),
+    (broken.MaskedValuesLeak, "policy_loss:masked-values"),
+    (broken.MutatesRewards, "compute_advantages:no-mutation"),
+    (broken.MetricsViewBuffer, "policy_loss:metrics-are-copies"),
+    (broken.NaNAdvantages, "compute_advantages:parity"),
+    (broken.FilterDropsSingletons, "filter_groups:kept-groups"),
+    (broken.FilterMisalignsScores, "filter_groups:rows-aligned"),
+]
+
+
+def _found_and_replayed(adapter, check, tmp_path):
+    stage = check.split(":")[0]
+    t0 = time.perf_counter()
+    report = fuzz_target(adapter, stages=[stage], checks=[check], budget=DEFAULT_BUDGET,
+                         found_dir=tmp_path / "found", report_dir=tmp_path / "reports")
+    (finding,) = report.findings
+    assert finding.check == check and finding.examples <= DEFAULT_BUDGET
+    assert finding.path.is_file() and finding.path.with_suffix(".safetensors").is_file()
+    # the written case reproduces the failure through `rlaudit run --target`'s code path
+    (res,) = run_target(adapter, scenario_names=[str(finding.path)], stages=[])[1:]
+    mine = {c.invariant: c for c in res.checks}
+    assert mine[check].status == FAIL, mine[check].message
+    return finding, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("cls, check", STAGE_BUGS[:4], ids=[c for _, c in STAGE_BUGS[:4]])
+def test_fuzz_finds_stage_bugs_and_the_found_case_replays(cls, check, tmp_path):
+    _found_and_replayed(cls(), check, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, check", STAGE_BUGS[4:], ids=[c for _, c in STAGE_BUGS[4:]])
+def test_fuzz_finds_every_other_stage_bug(cls, check, tmp_path):
+    _found_and_replayed(cls(), check, tmp_path)
+
+
+def test_aliased_outputs_are_not_a_finding(tmp_path):
+    """verl's `return adv, adv` is a note for the fixed checks; the fuzzer agrees."""
+    report = fuzz_target(broken.AliasedAdvantagesReturns(), stages=["compute_advantages"],
+                         found_dir=tmp_path, report_dir=tmp_path)
+    assert not report.findings and {o.status for o in report.outcomes} == {"clean"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", [ReferenceAdapter(), ToyAdapter()], ids=["reference", "toy"])
+def test_fuzz_finds_nothing_on_correct_adapters(adapter, tmp_path):
+    report = fuzz_target(adapter, budget=DEFAULT_BUDGET, run_budget=0, found_dir=tmp_path,
+                         report_dir=tmp_path)
+    assert not report.findings, [(f.check, f.message) for f in report.findings]
+    fuzzed = [o for o in report.outcomes if o.status == "clean"]
+    assert all(o.examples == DEFAULT_BUDGET for o in fuzzed)
+    want = 28 if adapter.name == "reference-adapter" else 25       # toy: no distill_loss
+    assert len(fuzzed) == want
+    assert not list(tmp_path.glob("*.yaml"))
+
+
+def test_bad_arguments_are_input_errors(tmp_path):
+    with pytest.raises(InputError, match="--budget"):
+        fuzz_target(ReferenceAdapter(), budget=0, found_dir=tmp_path, report_dir=tmp_path)
+    with pytest.raises(InputError, match="unknown stage"):
+        fuzz_target(ReferenceAdapter(), stages=["policy_los"], found_dir=tmp_path,
+                    report_dir=tmp_path)
+
+
+# ---- the domain the strategies stay in (zero false alarms) ----------------------------------
+
+@settings(max_examples=60)
+@given(cases(clip=(0.2, 0.28, 3.0)))
+def test_generated_cases_stay_where_the_reference_is_right(case):
+    m = case.mask
+    assert int(m.sum()) >= 2
+    lp, old, ref = case["log_probs"], case["old_log_probs"], case["ref_log_probs"]
+    lr = lp - old
+    assert bool((lr[m].abs() <= EXTREME_LOG_RATIO["float64"] + 1e-9).all())
+    assert bool((lp[m] < 0).all() and (old[m] < 0).all() and (ref[m] < 0).all())
+    for d in (ref - lp, ref - old):          # k3's value clamp inactive
+        assert bool((d[m] >= K3_SAFE[0]).all() and (d[m] <= K3_SAFE[1]).all())
+    bounds = torch.tensor([0.8, 1.28, 3.0], dtype=torch.float64)
+    ratio = lr[m].exp().unsqueeze(-1)
+    assert bool(((ratio / bounds - 1).abs() >= BOUND_GAP * 0.99).all())
+    # scores dyadic; rewards of a row sum to a multiple of 1/64
+    scores = case["token_level_scores"].sum(-1)
+    assert torch.equal(scores * 4, (scores * 4).round())
+    sums = case["token_level_rewards"].sum(-1) * 64
+    assert torch.allclose(sums, sums.round(), atol=1e-9)
+    # outside the mask every field is 0 (clean cases, as cases.py promises)
+    for name in ("log_probs", "old_log_probs", "advantages", "token_level_rewards"):
+        assert bool((case[name][~m] == 0).all())
+
+
+@settings(max_examples=40)
+@given(microbatch_draws())
+def test_generated_microbatch_inputs_are_valid_layouts(draw):
+    (batch,), ((dp, mbs, tokens),) = draw.overrides["microbatch_inputs"], \
+        draw.overrides["layouts"]
+    assert len(batch) % dp == 0 and (mbs is None) != (tokens is None)
+    if tokens is not None:
+        assert tokens >= int(batch.sequence_lengths().max())
+    first = batch["prompt_ids"][:, 0].tolist()
+    assert len(set(first)) == len(first)     # rows recognisable
+
+
+@settings(max_examples=40)
+@given(filter_draws())
+def test_generated_filter_metrics_are_dyadic(draw):
+    (inp,) = draw.overrides["filter_inputs"]
+    assert torch.equal(inp.metric * 8, (inp.metric * 8).round())
+
+
+# ---- found-case files -------------------------------------------------------------------------
+
+def test_found_case_round_trip(tmp_path):
+    """What is written is what is read back: tensors bit for bit, settings as tuples."""
+    from rlaudit.targets.found import load_stage_case, save_stage_case
+    from rlaudit.targets.fuzz_inputs import stage_draws
+    adapter = ReferenceAdapter()
+    for stage, check in (("policy_loss", "metrics-are-copies"), ("make_microbatches", ""),
+                         ("filter_groups", "")):
+        seen = []
+
+        @settings(max_examples=5, database=None)
+        @given(stage_draws(stage, adapter, "float64", check))
+        def collect(d):
+            seen.append(d)
+
+        collect()
+        draw = seen[-1]
+        path = save_stage_case(tmp_path, stage, target="x:Y", check=f"{stage}:no-mutation",
+                               draw=draw, message="m", found_by={})
+        check, back, doc = load_stage_case(path)
+        assert check == f"{stage}:no-mutation" and doc["target"] == "x:Y"
+        for k, v in draw.overrides.items():
+            if k == "microbatch_inputs":
+                (a,), (b,) = v, back.overrides[k]
+                assert all(torch.equal(a[f], b[f]) for f in a.keys())
+            elif k == "filter_inputs":
+                (a,), (b,) = v, back.overrides[k]
+                assert torch.equal(a.metric, b.metric)
+                assert all(torch.equal(a.batch[f], b.batch[f]) for f in a.batch.keys())
+            else:
+                assert back.overrides[k] == v, k
+        assert len(back.cases) == len(draw.cases)
+        for a, b in zip(draw.cases, back.cases):
+            assert all(torch.equal(a[f], b[f]) for f in a.tensors)
+
+
+def test_a_stage_case_without_target_is_an_input_error(tmp_path):
+    from rlaudit.cli.main import main
+    report = fuzz_target(broken.NaNAdvantages(), stages=["compute_advantages"],
+                         checks=["compute_advantages:parity"], found_dir=tmp_path,
+                         report_dir=tmp_path)
+    (finding,) = report.findings
+    assert main(["run", str(finding.path), "--no-mlflow", "--report-dir",
+                 str(tmp_path / "r")]) == 2
+
+
+@pytest.mark.slow
+def test_fuzz_cli_writes_and_run_replays(tmp_path, capsys):
+    """The commands a user types: fuzz exits 1 and says where the case is; run --target on it
+    exits 1; the correct reference passes the same case (exit 0)."""
+    from rlaudit.cli.main import main
+    args = ["--stage", "policy_loss", "--run-budget", "0", "--found-dir", str(tmp_path / "f"),
+            "--report-dir", str(tmp_path / "r")]
+    assert main(["fuzz", "--target", "broken_adapters:IgnoresClipHigh", *args]) == 1
+    out = capsys.readouterr().out
+    assert "FOUND policy_loss:parity" in out and "replay: rlaudit run --target" in out
+    (path,) = (tmp_path / "f").glob("*--policy_loss--parity.yaml")
+    run = ["run", str(path), "--no-mlflow", "--report-dir", str(tmp_path / "r")]
+    assert main([*run, "--target", "broken_adapters:IgnoresClipHigh"]) == 1
+    assert main([*run, "--target", "rlaudit.targets.reference:ReferenceAdapter"]) == 0
+    assert (tmp_path / "r" / "fuzz" / "hypothesis").is_dir()
+
+
+def test_cli_help_defaults_match_the_library():
+    from rlaudit.cli import fuzz as cli
+    from rlaudit.targets.fuzz_run import DEFAULT_RUN_BUDGET
+    assert (cli.HELP_BUDGET, cli.HELP_RUN_BUDGET) == (DEFAULT_BUDGET, DEFAULT_RUN_BUDGET)
+
+
+# ---- train_step at run level ------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", [broken.IgnoresEpochs, broken.FilterMisalignsScores],
+                         ids=["ignores-ppo-epochs", "filter-misaligns-scores"])
+def test_run_level_fuzz_finds_broken_trainers_and_the_scenario_replays(cls, tmp_path):
+    adapter = cls()
+    report = fuzz_target(adapter, stages=["train_step"], found_dir=tmp_path / "found",
+                         report_dir=tmp_path / "reports")
+    (finding,) = report.findings
+    assert finding.check == "train_step:run-level" and finding.path.is_file()
+    invariant = finding.message.split(":")[0]
+    (res,) = run_target(adapter, scenario_names=[str(finding.path)], stages=[])[1:]
+    mine = {c.invariant: c for c in res.checks if c.backend == adapter.name}
+    assert mine[invariant].status == FAIL, mine[invariant].message
+    assert all(c.status != FAIL for c in res.checks if c.backend == "reference")
+
+
+@pytest.mark.slow
+def test_run_level_fuzz_finds_nothing_on_the_toy_trainer(tmp_path):
+    report = fuzz_target(ToyAdapter(), stages=["train_step"], found_dir=tmp_path,
+                         report_dir=tmp_path)
+    assert not report.findings, [(f.check, f.message) for f in report.findings]
+    (o,) = report.outcomes
+    assert o.status == "clean" and o.examples >= 1
+
+
+def test_padding_complete_on_a_batch_without_valid_tokens():
+    """Found by the fuzzer on the reference adapter: padding-complete failed ("no micro-batch
+    holds a valid token") on a batch none of whose rows has a valid token, where every
+    micro-batch is padding by construction. Such a batch is now compared micro-batch to
+    micro-batch; a cutter that loses every valid token of a batch that has some still fails."""
+    from rlaudit.targets.batch_checks import microbatch_input, padding_complete
+    from rlaudit.targets.checks import StageEnv
+    batch = microbatch_input()
+    empty = batch.with_fields(response_mask=torch.zeros_like(batch.mask))
+    layouts = ((2, None, 16), (1, 4, None))
+    env = StageEnv(ReferenceAdapter(), overrides={"microbatch_inputs": [empty],
+                                                  "layouts": layouts})
+    assert padding_complete(env).status == "pass"
+
+    class LosesEverything(ReferenceAdapter):
+        name = "loses-everything"
+
+        def make_microbatches(self, batch, **kw):
+            ranks = super().make_microbatches(batch, **kw)
+            return [[mb.with_fields(response_mask=torch.zeros_like(mb.mask)) for mb in r]
+                    for r in ranks]
+
+    env = StageEnv(LosesEverything(), overrides={"microbatch_inputs": [batch],
+                                                 "layouts": layouts})
+    assert padding_complete(env).status == FAIL
+
+
+def test_found_dir_is_not_discovered_as_scenarios(tmp_path):
+    from rlaudit.scenarios.spec import discover
+    (tmp_path / "found").mkdir()
+    for p in (tmp_path / "a.yaml", tmp_path / "found" / "b.yaml"):
+        p.write_text("invariants: [backend-parity]\n")
+    assert [p.name for p in discover(tmp_path)] == ["a.yaml"]
