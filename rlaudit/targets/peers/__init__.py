@@ -20,7 +20,9 @@ from pathlib import Path
 from rlaudit.errors import InputError
 
 #: short name -> "module:Attr" of its adapter
-PEERS: dict[str, str] = {}
+PEERS: dict[str, str] = {
+    "verl": "rlaudit.targets.peers.verl:VerlAdapter",
+}
 
 _SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9][0-9A-Za-z.+-]*))?$")
 
@@ -77,7 +79,9 @@ def activate(name: str, version: str | None = None) -> str | None:
 
 
 #: the top-level module each peer installs (for "is it importable already?")
-MODULES: dict[str, str] = {}
+MODULES: dict[str, str] = {
+    "verl": "verl",
+}
 
 
 def _module_of(name: str) -> str:
