@@ -84,9 +84,10 @@ class Peer:
         return stamp.is_file() and stamp.read_text().strip() == self.digest()
 
 
-def pinned_peers(requirements: Path = REQUIREMENTS) -> list[Peer]:
-    """Every ``<name>-<version>.txt`` under ``requirements``, validated (each requirement line
-    pinned with ``==``; the file's first requirement is the peer itself)."""
+def pinned_peers(requirements: Path | None = None) -> list[Peer]:
+    """Every ``<name>-<version>.txt`` under ``requirements`` (default :data:`REQUIREMENTS`),
+    validated (each requirement line pinned with ``==``; the first one is the peer itself)."""
+    requirements = REQUIREMENTS if requirements is None else requirements
     peers = []
     for path in sorted(requirements.glob("*.txt")):
         m = _FILE_NAME.match(path.name)
