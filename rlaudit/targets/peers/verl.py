@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import threading
 from typing import Any
 
@@ -55,31 +56,42 @@ except ImportError:  # pragma: no cover - until the API lands
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
 DTYPE = torch.float32
-_BLOB = "https://github.com/volcengine/verl/blob/v{v}/"
+#: verl at a release tag (a fork's local version "+..." links to the release it is based on)
+_BLOB = "https://github.com/verl-project/verl/blob/v{v}/"
 
 
-def _differences(version: str) -> tuple:
-    """The documented, deliberate ways verl ``version`` differs from rlaudit's reference."""
+def _line(fn, needle: str = "") -> str:
+    """``#L<n>``: the line of ``fn``'s source holding ``needle`` (its first line without one)."""
+    try:
+        lines, first = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return ""
+    offset = next((i for i, line in enumerate(lines) if needle in line), 0) if needle else 0
+    return f"#L{first + offset}"
+
+
+def _differences(version: str, core) -> tuple:
+    """The documented, deliberate ways verl ``version`` differs from rlaudit's reference
+    (docs/peers.md, "verl"), linked to the lines of the installed ``core_algos``."""
     if Difference is None:
         return ()
-    blob = _BLOB.format(v=version)
-    core = blob + "verl/trainer/ppo/core_algos.py"
+    path = _BLOB.format(v=version.split("+")[0]) + "verl/trainer/ppo/core_algos.py"
     return (
         Difference(
             "outcome-score-unmasked-sum",
             reason="outcome estimators (grpo, rloo, reinforce_plus_plus_baseline) score a row by "
                    "token_level_rewards.sum(dim=-1) over every position, masked ones included: "
-                   "verl's reward managers put the score on the last valid token and leave "
-                   "every other position 0, so the mask is not applied",
-            link=core, checks=("compute_advantages:*",),
-            convention={"outcome_score": "unmasked-sum"}),
+                   "verl's reward managers write the score on the last response token only "
+                   "(the mask was dropped on purpose in verl PR #152)",
+            link=path + _line(core.compute_grpo_outcome_advantage, "token_level_rewards.sum"),
+            checks=("compute_advantages:*",), convention={"outcome_score": "unmasked-sum"}),
         Difference(
             "agg-loss-nan-on-empty",
-            reason="agg_loss without global counts divides by the micro-batch's own token / "
-                   "sequence count: 0/0 = NaN when no token is valid. verl's trainer always "
-                   "passes global counts (verl/workers/utils/losses.py), so a padding-only "
-                   "micro-batch contributes 0 there",
-            link=core, checks=("agg_loss:parity",), cases=("without a valid token",)),
+            reason="agg_loss without global counts divides by the batch's own token / sequence "
+                   "count, 0/0 = NaN when no token is valid; verl's trainer always passes global "
+                   "counts (verl/workers/utils/losses.py), with which such a micro-batch gives 0",
+            link=path + _line(core.agg_loss),
+            checks=("agg_loss:parity",), cases=("without a valid token",)),
     )
 
 
@@ -88,8 +100,9 @@ class VerlAdapter(TargetAdapter):
 
     name = "verl"
     precision = "float32"
-    #: verl's loss metrics are each micro-batch's local mean (``AggregationType.MEAN`` in
-    #: verl/workers/utils/losses.py; ``append_to_dict`` + mean in the 0.7 dp_actor)
+    #: verl's clip/KL metrics (pg_clipfrac, pg_clipfrac_lower, ppo_kl) are each micro-batch's
+    #: local mean, reduced by mean (``AggregationType.MEAN`` in verl/workers/utils/losses.py;
+    #: ``append_to_dict`` + mean in the 0.7 dp_actor)
     metric_reduction = "microbatch-mean"
     advantage_estimators = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus",
                             "reinforce_plus_plus_baseline")
@@ -106,7 +119,7 @@ class VerlAdapter(TargetAdapter):
                              f"docs/peers.md)", key="--target") from None
         self.version = str(verl.__version__)
         self.name = f"verl-{self.version}"
-        self.differences = _differences(self.version)
+        self.differences = _differences(self.version, self.core)
         #: verl < 0.8 trains with the legacy FSDP worker's DataParallelPPOActor by default
         #: (``trainer.use_legacy_worker_impl: auto``); 0.8+ has only the engine workers
         self.legacy_actor = importlib.util.find_spec("verl.workers.actor") is not None
