@@ -275,7 +275,8 @@ class VerlAdapter(TargetAdapter):
         from verl.utils import tensordict_utils as tu
         from verl.workers.engine.utils import prepare_micro_batches
         if micro_batch_size is not None:
-            tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size)
+            tu.assign_non_tensor(td, use_dynamic_bsz=False,
+                                 micro_batch_size_per_gpu=micro_batch_size)
         else:
             tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=max_token_len)
         try:
