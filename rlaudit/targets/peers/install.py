@@ -17,6 +17,10 @@ Some wheels ship stray top-level packages (verl's wheel has ``tests`` and ``scri
 shadow the repository's own ``tests`` package): a line ``#! drop: tests scripts`` in the
 requirements file removes those top-level entries after pip ran.
 
+A peer whose wheel declares a newer Python than the environment's, but whose imported modules run
+on it (SkyRL declares >= 3.12), says so with ``#! pip: --ignore-requires-python`` (the only pip
+option a requirements file may add: :data:`PIP_OPTIONS`).
+
 Idempotent: a stamp file holds the hash of the requirements file (and of the interpreter's
 version and platform, since some pinned wheels are compiled); when it matches, nothing runs.
 Atomic: pip installs into a temporary directory beside the target, which is renamed into place
@@ -53,6 +57,9 @@ REQUIREMENTS = Path(__file__).resolve().parents[3] / "requirements" / "peers"
 STAMP = ".rlaudit-installed"
 _FILE_NAME = re.compile(r"^(?P<name>[a-z][a-z0-9_]*)-(?P<version>[0-9][0-9A-Za-z.+]*)\.txt$")
 _DROP = re.compile(r"^#!\s*drop:\s*(?P<names>.*)$")
+_PIP = re.compile(r"^#!\s*pip:\s*(?P<options>.*)$")
+#: pip options a requirements file may add with ``#! pip: ...``
+PIP_OPTIONS = ("--ignore-requires-python",)
 _PINNED = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*(\[[A-Za-z0-9,._\-]+\])?==[0-9A-Za-z.+!\-]+$")
 
 
@@ -101,6 +108,7 @@ def pinned_peers(requirements: Path | None = None) -> list[Peer]:
                         first, re.IGNORECASE):
             raise InputError(f"the first requirement must be {peer.name}=={peer.version} (the "
                              f"file's name), got {first!r}", source=str(path))
+        pip_options(path), dropped(path)          # directives checked before anything runs
         peers.append(peer)
     return peers
 
@@ -131,6 +139,20 @@ def dropped(path: Path) -> list[str]:
     if bad:
         raise InputError(f"'#! drop:' expects top-level names, got {bad}", source=str(path))
     return names
+
+
+def pip_options(path: Path) -> list[str]:
+    """Extra pip options the ``#! pip: ...`` lines of ``path`` ask for (:data:`PIP_OPTIONS`)."""
+    options = []
+    for raw in path.read_text().splitlines():
+        m = _PIP.match(raw.strip())
+        if m:
+            options += m["options"].split()
+    bad = [o for o in options if o not in PIP_OPTIONS]
+    if bad:
+        raise InputError(f"'#! pip:' accepts {', '.join(PIP_OPTIONS)}, got {bad}",
+                         source=str(path))
+    return options
 
 
 def select(peers: list[Peer], names: list[str]) -> list[Peer]:
@@ -209,7 +231,8 @@ def install(peer: Peer, *, quiet: bool = True) -> str:
     tmp = root / f".tmp-{peer.key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
-           "--no-input", "--target", str(tmp), "-r", str(peer.requirements)]
+           "--no-input", *pip_options(peer.requirements), "--target", str(tmp),
+           "-r", str(peer.requirements)]
     if quiet:
         cmd.insert(4, "-q")
     try:

@@ -61,6 +61,17 @@ def test_unknown_name_is_an_input_error(peers):
         install.select(install.pinned_peers(peers), ["other-2"])
 
 
+def test_pip_directive_allows_only_known_options(peers, monkeypatch):
+    _write(peers, "tool-1.0.txt", "tool==1.0\n#! pip: --ignore-requires-python\n")
+    calls = _fake_pip(monkeypatch, {"tool_pkg_zz/__init__.py": ""})
+    (peer,) = install.pinned_peers(peers)
+    install.install(peer)
+    assert "--ignore-requires-python" in calls[0] and "--no-deps" in calls[0]
+    _write(peers, "tool-1.0.txt", "tool==1.0\n#! pip: --index-url http://x\n")
+    with pytest.raises(InputError, match=r"'#! pip:' accepts --ignore-requires-python"):
+        install.pinned_peers(peers)
+
+
 def test_install_stamps_drops_and_is_idempotent(peers, monkeypatch):
     _write(peers, "tool-1.0.txt", "tool==1.0\n#! drop: tests\nhelper==3\n")
     calls = _fake_pip(monkeypatch, {"tool_pkg_zz/__init__.py": "", "tests/__init__.py": "",
