@@ -107,6 +107,8 @@ class VerlAdapter(TargetAdapter):
     advantage_estimators = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus",
                             "reinforce_plus_plus_baseline")
     loss_modes = ("vanilla", "gspo", "cispo")
+    #: rlaudit estimator -> the verl estimator run for it (default: the same name)
+    estimator_impl: dict[str, str] = {"drgrpo": "grpo"}
 
     def __init__(self):
         try:
@@ -147,9 +149,8 @@ class VerlAdapter(TargetAdapter):
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,
                            values=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
         from verl.trainer.config import AlgoConfig
-        name, norm = estimator, bool(norm_adv_by_std_in_grpo)
-        if estimator == "drgrpo":
-            name, norm = "grpo", False
+        name = self.estimator_impl.get(estimator, estimator)
+        norm = False if estimator == "drgrpo" else bool(norm_adv_by_std_in_grpo)
         if name not in self.core.ADV_ESTIMATOR_REGISTRY:
             raise NotImplementedError(f"verl {self.version} has no estimator {name!r}")
         tensors = {"token_level_rewards": self._f32(token_level_rewards),
@@ -286,6 +287,39 @@ class VerlAdapter(TargetAdapter):
                 raise NotImplementedError(f"verl {self.version}: {e}") from e
             raise
         return [{k: v for k, v in m.items() if isinstance(v, torch.Tensor)} for m in micros]
+
+
+class VerlVectorizedAdapter(VerlAdapter):
+    """verl's vectorized implementations of the outcome estimators, through the same trainer
+    dispatcher: ``grpo_vectorized`` for grpo and drgrpo, ``rloo_vectorized`` for rloo.
+
+        rlaudit run --target rlaudit.targets.peers.verl:VerlVectorizedAdapter   # verl importable
+
+    Not part of ``--target verl``: it fails on verl 0.9.1 (docs/peers.md): the dispatcher does
+    not pass ``norm_adv_by_std_in_grpo`` to ``grpo_vectorized`` (verl PR #7893), and
+    ``as_torch_index`` keeps integer group ids as they are instead of numbering them 0..G-1, so
+    large or negative uids make ``group_mean_std`` allocate ``max(uid) + 1`` groups or fail.
+    """
+
+    advantage_estimators = ("grpo", "drgrpo", "rloo")
+    estimator_impl = {"grpo": "grpo_vectorized", "drgrpo": "grpo_vectorized",
+                      "rloo": "rloo_vectorized"}
+
+    def __init__(self):
+        super().__init__()
+        self.name = f"verl-{self.version}-vectorized"
+        if Difference is not None:
+            rloo = self.core.compute_rloo_vectorized_outcome_advantage
+            self.differences = self.differences + (Difference(
+                "rloo-vectorized-singleton-zero",
+                reason="rloo_vectorized gives a prompt with a single response advantage 0 "
+                       "(`* (c > 1)`), where verl's rloo and rlaudit use baseline 0 (advantage "
+                       "= score)",
+                link=_BLOB.format(v=self.version.split("+")[0])
+                + "verl/trainer/ppo/core_algos.py" + _line(rloo, "(c > 1)"),
+                checks=("compute_advantages:*",),
+                cases=tuple(f"rloo {what} on {case}" for what in ("advantages", "returns")
+                            for case in ("ragged", "one-row"))),)
 
 
 def _policy_cfg(loss_mode: str):

@@ -82,6 +82,11 @@ def test_verl_091(tmp_path):
     assert out["k3plus"] == pytest.approx(K3PLUS, rel=1e-6)
     ranks = out["microbatches_per_rank"]
     assert len(set(ranks)) == 1, ranks                     # counts all-reduced over DP ranks
+    # VerlVectorizedAdapter: grpo_vectorized ignores norm_adv_by_std_in_grpo=False through the
+    # trainer's dispatcher (verl PR #7893): row 0 gets (1 - 0.5) / std{1, 0} instead of 1 - 0.5
+    assert out["drgrpo_vectorized_row0"] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5)
+    # rloo_vectorized: a single-response prompt gets 0, rloo gives its score
+    assert (out["rloo_singleton"], out["rloo_vectorized_singleton"]) == (2.0, 0.0)
 
     # rlaudit run --target verl==0.9.1: exit 0, the documented differences declared
     bad = {k: c["message"] for k, c in checks.items() if c["status"] in ("fail", "error")}
@@ -109,6 +114,11 @@ def test_verl_071(tmp_path):
     assert out["k3plus"].startswith("NotImplementedError")  # '+' kinds came in verl PR #6058
     # rows 0-5 (54 tokens) and 6-11 (16 tokens) with a budget of 16, no DP all-reduce
     assert out["microbatches_per_rank"] == [4, 1]
+    # VerlVectorizedAdapter: grpo_vectorized ignores norm_adv_by_std_in_grpo=False through the
+    # trainer's dispatcher (verl PR #7893): row 0 gets (1 - 0.5) / std{1, 0} instead of 1 - 0.5
+    assert out["drgrpo_vectorized_row0"] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5)
+    # rloo_vectorized: a single-response prompt gets 0, rloo gives its score
+    assert (out["rloo_singleton"], out["rloo_vectorized_singleton"]) == (2.0, 0.0)
 
     # rlaudit run --target verl==0.7.1: exit 1 through exactly these checks
     failed = {k for k, c in checks.items() if c["status"] in ("fail", "error")}

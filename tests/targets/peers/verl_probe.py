@@ -65,6 +65,19 @@ def main(version: str) -> dict:
     except NotImplementedError as e:
         out["k3plus"] = f"NotImplementedError: {e}"
 
+    # the vectorized estimators (VerlVectorizedAdapter): Dr.GRPO on groups {1, 0} and {1, 1}
+    # (row 0: 1 - 0.5), and RLOO on a single-response prompt with score 2
+    from rlaudit.targets.peers.verl import VerlVectorizedAdapter
+    vec = VerlVectorizedAdapter()
+    adv, _ = vec.compute_advantages(
+        estimator="drgrpo", token_level_rewards=torch.tensor([[1.0], [0.0], [1.0], [1.0]], **f64),
+        response_mask=torch.ones(4, 1, dtype=torch.bool), uid=torch.tensor([0, 0, 1, 1]))
+    out["drgrpo_vectorized_row0"] = float(adv[0, 0])
+    one = dict(token_level_rewards=torch.tensor([[2.0]], **f64),
+               response_mask=torch.ones(1, 1, dtype=torch.bool), uid=torch.tensor([3]))
+    out["rloo_singleton"] = float(a.compute_advantages(estimator="rloo", **one)[0][0, 0])
+    out["rloo_vectorized_singleton"] = float(vec.compute_advantages(estimator="rloo", **one)[0][0, 0])
+
     # micro-batches per DP rank under a token budget (the stage checks' 12-row batch)
     ranks = a.make_microbatches(microbatch_input(), dp_size=2, max_token_len=16)
     out["microbatches_per_rank"] = [len(r) for r in ranks]
