@@ -173,18 +173,6 @@ class SkyRLAdapter(TargetAdapter):
                         for label in ("gae gamma=0.9 lam=0.95", "reinforce_plus_plus gamma=0.9")
                         for what in ("advantages", "returns"))),
         Difference(
-            "padding-placeholders",
-            reason="a padding micro-batch always holds placeholders for action_log_probs, "
-                   "base_action_log_probs, values, returns and advantages, keys the trainer's "
-                   "real batches hold as None without a reference model or critic (here: "
-                   "not converted); never read on padding rows (loss_mask 0). A missing field "
-                   "or a dtype difference is still a failure",
-            link=f"{_SRC}/skyrl/backends/skyrl_train/workers/worker_utils.py "
-                 "(TokenBasedBatchIterator._create_padding_microbatch)",
-            checks=("make_microbatches:padding-complete",),
-            # the problem text starts with "extra" only when nothing is missing
-            cases=(": extra ['ref_log_probs', 'returns', 'values']",)),
-        Difference(
             "sequence-mean-over-all-rows",
             reason="sequence_mean and seq_mean_token_sum_norm divide by the mini-batch's row "
                    "count (advantages / (batch_size * ...)), rows without a loss-mask token "
