@@ -9,9 +9,9 @@ trainer hands the function (float32, verl's mask dtypes, a ``DataProto`` with st
 
 - ``compute_advantages``: ``verl.trainer.ppo.ray_trainer.compute_advantage`` (the trainer's
   dispatcher; it calls ``core_algos``' registered estimator). rlaudit's ``drgrpo`` is verl's
-  ``grpo`` with ``norm_adv_by_std_in_grpo=False`` (how verl spells Dr.GRPO). verl's other
-  estimators (remax, opo, grpo_passk, gpg, gdpo, optimal_token_baseline, ...) have no rlaudit
-  reference and are not run.
+  ``grpo`` with ``norm_adv_by_std_in_grpo=False`` (how verl spells Dr.GRPO); the vectorized
+  implementations are :class:`VerlVectorizedAdapter`'s. verl's other estimators (remax, opo,
+  grpo_passk, gpg, gdpo, optimal_token_baseline, ...) have no rlaudit reference and are not run.
 - ``apply_kl_in_reward``: ``ray_trainer.apply_kl_penalty`` with a ``FixedKLController``. verl
   stores no KL tensor (it logs ``actor/reward_kl_penalty``, a scalar computed from it): the
   ``kl`` returned is the tensor verl's own ``core_algos.kl_penalty`` returned inside that call,
