@@ -21,6 +21,7 @@ from rlaudit.errors import InputError
 
 #: short name -> "module:Attr" of its adapter
 PEERS: dict[str, str] = {}
+PEERS["trl"] = "rlaudit.targets.peers.trl:TRLAdapter"
 
 _SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9][0-9A-Za-z.+-]*))?$")
 
@@ -78,6 +79,7 @@ def activate(name: str, version: str | None = None) -> str | None:
 
 #: the top-level module each peer installs (for "is it importable already?")
 MODULES: dict[str, str] = {}
+MODULES["trl"] = "trl"
 
 
 def _module_of(name: str) -> str:
