@@ -50,6 +50,9 @@ LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
 #: rlaudit loss_mode -> TRL importance_sampling_level (ratio per token, or per sequence = GSPO)
 IS_LEVELS = {"vanilla": "token", "gspo": "sequence"}
 
+#: whether this rlaudit's reference can reduce metrics as means over micro-batches (API.md)
+MICROBATCH_MEAN = hasattr(TargetAdapter, "metric_reduction")
+
 TRL_ORIGIN = "https://github.com/huggingface/trl/blob/v{v}/trl/trainer/grpo_trainer.py"
 SUPPORTED = ("1.14", "1.16")
 
@@ -73,7 +76,8 @@ def metric_map(config) -> dict[str, str]:
     a = config.actor
     m = {"grad_norm": "actor/grad_norm", "learning_rate": "actor/lr",
          "reward": "critic/score/mean", "loss": "actor/loss"}
-    if a.loss_mode == "vanilla":
+    # TRL logs these per micro-batch and averages them (metric_reduction = "microbatch-mean")
+    if a.loss_mode == "vanilla":   # gspo: TRL counts clipped sequences, not tokens
         m["clip_ratio/region_mean"] = "actor/pg_clipfrac"
     if a.loss_agg_mode == "token-mean":
         # aggregated like the loss only in token-mean; other modes aggregate per sequence
@@ -111,7 +115,10 @@ def trl_config_kwargs(config, rows: int, response_width: int, output_dir: str, s
         max_completion_length=int(norm_len),
         loss_type=LOSS_TYPES[a.loss_agg_mode],
         importance_sampling_level=IS_LEVELS[a.loss_mode],
-        epsilon=low, epsilon_high=high, delta=a.clip_ratio_c,
+        epsilon=low, epsilon_high=high,
+        # TRL's two-sided clip caps the ratio at delta; for delta >= 1 + epsilon_high that is
+        # verl's dual clip of negative advantages (rlaudit's GSPO has none)
+        delta=a.clip_ratio_c if a.loss_mode == "vanilla" else None,
         beta=a.kl_loss_coef if a.use_kl_loss else 0.0,
         scale_rewards="group" if (alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo)
         else "none",
@@ -120,6 +127,7 @@ def trl_config_kwargs(config, rows: int, response_width: int, output_dir: str, s
         weight_decay=a.optim.weight_decay,
         max_grad_norm=a.grad_clip if a.grad_clip > 0 else 0.0,
         log_completions=False, disable_dropout=True, use_liger_kernel=False,
+        gradient_checkpointing=False,   # memory only; recomputation triples CPU time
     )
     if a.optim.name == "sgd":
         kw["optim"] = "sgd"
@@ -230,6 +238,8 @@ class TRLAdapter(TargetAdapter):
     advantage_estimators = ("grpo", "drgrpo")
     loss_modes = ("vanilla", "gspo")
     metric_reduction = "microbatch-mean"
+    #: logged in every configuration (the others depend on the config: metric_map)
+    metric_names = ("actor/grad_norm", "actor/lr", "actor/loss", "critic/score/mean")
     trainer_class = None          # tests may swap in a subclass of TRL's GRPOTrainer
 
     def __init__(self):
@@ -241,8 +251,6 @@ class TRLAdapter(TargetAdapter):
         # 1.15+: log-probs from TRL's fused LM head, whose log-sum-exp accumulates in float32
         # whatever the model dtype; before: log_softmax of the model's own-dtype logits
         self.train_precision = "float32" if minor >= "1.15" else "hf-float64"
-        self.metric_names = tuple(sorted(set(metric_map(_DefaultCfg).values()) - {
-            "actor/entropy"} | {"actor/entropy", "actor/pg_clipfrac"}))
         self.differences = declared_differences(self.version)
 
     def supports(self, config):
@@ -387,21 +395,47 @@ class TRLAdapter(TargetAdapter):
         return torch.where(batch.mask, out, 0.0)
 
 
-class _DefaultCfg:
-    """A config with token-mean aggregation and the KL loss on: the widest metric map."""
-    class actor:
-        loss_mode, loss_agg_mode, use_kl_loss, entropy_coeff = "vanilla", "token-mean", True, 0
+#: line numbers of the cited code in grpo_trainer.py at each pinned tag
+_LINES = {"1.16.0": {"eps": 2787, "norm": 3170, "grpo": 3154, "metric": 3270},
+          "1.14.2": {"eps": 2853, "norm": 3241, "grpo": 3225, "metric": 3341}}
 
 
 def declared_differences(version: str) -> tuple:
-    """TRL's deliberate choices that differ from rlaudit's reference (docs/peers.md)."""
+    """TRL's deliberate choices that differ from rlaudit's reference (docs/peers.md, "TRL"),
+    each with the code it comes from at the pinned tag. None has a reference convention yet, so
+    a check they cover that would fail is reported "differs", never "pass"."""
     if Difference is None:
         return ()
-    link = TRL_ORIGIN.format(v=version)
+    lines = _LINES.get(version, _LINES["1.16.0"])
+    at = TRL_ORIGIN.format(v=version if version in _LINES else "1.16.0") + "#L{}"
     return (
         Difference(
             "trl-grpo-std-epsilon",
-            reason="TRL divides by (group std + 1e-4), rlaudit/verl by (std + 1e-6): advantages "
-                   "differ by ~1e-4 / std relative when scale_rewards='group'",
-            link=link, checks=("backend-parity",), cases=()),
+            reason="scale_rewards='group' divides by (group std + 1e-4); verl and rlaudit by "
+                   "(std + 1e-6): advantages, losses and updates differ by ~1e-4 / std "
+                   "relative (scale_rewards='none' is exact)",
+            link=at.format(lines["eps"]), checks=("backend-parity",)),
+        Difference(
+            "trl-token-mean-generation-normaliser",
+            reason="loss_type='dapo' divides every optimizer step by the generation batch's "
+                   "token count x gradient_accumulation_steps / steps_per_generation (the mean "
+                   "tokens per optimizer step), not by the step's own token count: equal only "
+                   "when one generation is one optimizer step (one mini-batch per rlaudit step)",
+            link=at.format(lines["norm"]), checks=("backend-parity",)),
+        Difference(
+            "trl-seq-mean-counts-empty-completions",
+            reason="loss_type='grpo' / 'dr_grpo' / 'luspo' average over every completion of the "
+                   "micro-batch, one with no trained token counting as a sequence with loss 0; "
+                   "rlaudit counts only rows with a trained token",
+            link=at.format(lines["grpo"]), checks=("backend-parity",)),
+        Difference(
+            "trl-metrics-per-microbatch",
+            reason="entropy, kl and clip_ratio are token means of each micro-batch, averaged "
+                   "over the optimizer step's micro-batches: permuting rows inside a mini-batch "
+                   "changes which rows share a micro-batch, and so the logged means",
+            link=at.format(lines["metric"]),
+            # without rlaudit's microbatch-mean reduction the reference reduces them globally
+            checks=("row-permutation",) if MICROBATCH_MEAN else (
+                "row-permutation", "backend-parity", "entropy-logged-when-coeff-zero",
+                "on-policy-identities")),
     )
