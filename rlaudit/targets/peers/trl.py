@@ -400,42 +400,45 @@ _LINES = {"1.16.0": {"eps": 2787, "norm": 3170, "grpo": 3154, "metric": 3270},
           "1.14.2": {"eps": 2853, "norm": 3241, "grpo": 3225, "metric": 3341}}
 
 
+#: TRL's deliberate choices that differ from rlaudit's reference: (name, reason, cited code,
+#: checks covered). docs/peers.md, "TRL", explains each.
+DIFFERENCES = (
+    ("trl-grpo-std-epsilon",
+     "scale_rewards='group' divides by (group std + 1e-4); verl and rlaudit by (std + 1e-6): "
+     "advantages, losses and updates differ by ~1e-4 / std relative (scale_rewards='none' is "
+     "exact)", "eps", ("backend-parity",)),
+    ("trl-token-mean-generation-normaliser",
+     "loss_type='dapo' divides every optimizer step by the generation batch's token count x "
+     "gradient_accumulation_steps / steps_per_generation (the mean tokens per optimizer step), "
+     "not by the step's own token count: equal only when one generation is one optimizer step "
+     "(one mini-batch per rlaudit step)", "norm", ("backend-parity",)),
+    ("trl-seq-mean-counts-empty-completions",
+     "loss_type='grpo' / 'dr_grpo' / 'luspo' average over every completion of the micro-batch, "
+     "one with no trained token counting as a sequence with loss 0; rlaudit counts only rows "
+     "with a trained token", "grpo", ("backend-parity",)),
+    ("trl-metrics-per-microbatch",
+     "entropy, kl and clip_ratio are token means of each micro-batch, averaged over the "
+     "optimizer step's micro-batches: permuting rows inside a mini-batch changes which rows "
+     "share a micro-batch, and so the logged means; without rlaudit's microbatch-mean reduction "
+     "the reference reduces them globally", "metric",
+     ("row-permutation",) if MICROBATCH_MEAN else (
+         "row-permutation", "backend-parity", "entropy-logged-when-coeff-zero",
+         "on-policy-identities")),
+)
+
+
+def declared_checks() -> set[str]:
+    """Every run-level check some declared difference covers."""
+    return {c for *_, checks in DIFFERENCES for c in checks}
+
+
 def declared_differences(version: str) -> tuple:
-    """TRL's deliberate choices that differ from rlaudit's reference (docs/peers.md, "TRL"),
-    each with the code it comes from at the pinned tag. None has a reference convention yet, so
-    a check they cover that would fail is reported "differs", never "pass"."""
+    """:data:`DIFFERENCES` as the API's ``Difference`` objects, each linked to the code it
+    comes from at the pinned tag. None has a reference convention yet, so a check they cover
+    that would fail is reported "differs", never "pass"."""
     if Difference is None:
         return ()
     lines = _LINES.get(version, _LINES["1.16.0"])
     at = TRL_ORIGIN.format(v=version if version in _LINES else "1.16.0") + "#L{}"
-    return (
-        Difference(
-            "trl-grpo-std-epsilon",
-            reason="scale_rewards='group' divides by (group std + 1e-4); verl and rlaudit by "
-                   "(std + 1e-6): advantages, losses and updates differ by ~1e-4 / std "
-                   "relative (scale_rewards='none' is exact)",
-            link=at.format(lines["eps"]), checks=("backend-parity",)),
-        Difference(
-            "trl-token-mean-generation-normaliser",
-            reason="loss_type='dapo' divides every optimizer step by the generation batch's "
-                   "token count x gradient_accumulation_steps / steps_per_generation (the mean "
-                   "tokens per optimizer step), not by the step's own token count: equal only "
-                   "when one generation is one optimizer step (one mini-batch per rlaudit step)",
-            link=at.format(lines["norm"]), checks=("backend-parity",)),
-        Difference(
-            "trl-seq-mean-counts-empty-completions",
-            reason="loss_type='grpo' / 'dr_grpo' / 'luspo' average over every completion of the "
-                   "micro-batch, one with no trained token counting as a sequence with loss 0; "
-                   "rlaudit counts only rows with a trained token",
-            link=at.format(lines["grpo"]), checks=("backend-parity",)),
-        Difference(
-            "trl-metrics-per-microbatch",
-            reason="entropy, kl and clip_ratio are token means of each micro-batch, averaged "
-                   "over the optimizer step's micro-batches: permuting rows inside a mini-batch "
-                   "changes which rows share a micro-batch, and so the logged means",
-            link=at.format(lines["metric"]),
-            # without rlaudit's microbatch-mean reduction the reference reduces them globally
-            checks=("row-permutation",) if MICROBATCH_MEAN else (
-                "row-permutation", "backend-parity", "entropy-logged-when-coeff-zero",
-                "on-policy-identities")),
-    )
+    return tuple(Difference(name, reason=reason, link=at.format(lines[key]), checks=checks)
+                 for name, reason, key, checks in DIFFERENCES)
