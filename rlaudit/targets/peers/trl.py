@@ -406,30 +406,37 @@ DIFFERENCES = (
     ("trl-grpo-std-epsilon",
      "scale_rewards='group' divides by (group std + 1e-4); verl and rlaudit by (std + 1e-6): "
      "advantages, losses and updates differ by ~1e-4 / std relative (scale_rewards='none' is "
-     "exact)", "eps", ("backend-parity",)),
+     "exact)", "eps", ("backend-parity",), ("advantages", "parameters", "actor/")),
     ("trl-token-mean-generation-normaliser",
      "loss_type='dapo' divides every optimizer step by the generation batch's token count x "
      "gradient_accumulation_steps / steps_per_generation (the mean tokens per optimizer step), "
      "not by the step's own token count: equal only when one generation is one optimizer step "
-     "(one mini-batch per rlaudit step)", "norm", ("backend-parity",)),
+     "(one mini-batch per rlaudit step)", "norm", ("backend-parity",), ()),
     ("trl-seq-mean-counts-empty-completions",
      "loss_type='grpo' / 'dr_grpo' / 'luspo' average over every completion of the micro-batch, "
      "one with no trained token counting as a sequence with loss 0; rlaudit counts only rows "
-     "with a trained token", "grpo", ("backend-parity",)),
+     "with a trained token", "grpo", ("backend-parity",), ()),
     ("trl-metrics-per-microbatch",
      "entropy, kl and clip_ratio are token means of each micro-batch, averaged over the "
      "optimizer step's micro-batches: permuting rows inside a mini-batch changes which rows "
      "share a micro-batch, and so the logged means; without rlaudit's microbatch-mean reduction "
-     "the reference reduces them globally", "metric",
-     ("row-permutation",) if MICROBATCH_MEAN else (
-         "row-permutation", "backend-parity", "entropy-logged-when-coeff-zero",
-         "on-policy-identities")),
+     "the reference reduces them globally; entropy-logged-when-coeff-zero and "
+     "on-policy-identities recompute the entropy globally", "metric",
+     ("row-permutation", "entropy-logged-when-coeff-zero", "on-policy-identities")
+     + (() if MICROBATCH_MEAN else ("backend-parity",)),
+     ("actor/entropy", "actor/pg_clipfrac", "actor/kl_loss", "rows permuted")),
+    ("trl-loss-summed-over-microbatches",
+     "Trainer's logged loss is the sum of what each micro-batch backpropagates (TRL's own "
+     "normalisers), while TRL's other metrics are micro-batch means; an adapter declares one "
+     "metric_reduction, so actor/loss and actor/pg_loss differ from the reference's micro-batch "
+     "mean when a step has several micro-batches (parameters are still compared strictly)",
+     "norm", ("backend-parity",), ("actor/loss", "actor/pg_loss")),
 )
 
 
 def declared_checks() -> set[str]:
     """Every run-level check some declared difference covers."""
-    return {c for *_, checks in DIFFERENCES for c in checks}
+    return {c for *_, checks, _cases in DIFFERENCES for c in checks}
 
 
 def declared_differences(version: str) -> tuple:
@@ -440,5 +447,6 @@ def declared_differences(version: str) -> tuple:
         return ()
     lines = _LINES.get(version, _LINES["1.16.0"])
     at = TRL_ORIGIN.format(v=version if version in _LINES else "1.16.0") + "#L{}"
-    return tuple(Difference(name, reason=reason, link=at.format(lines[key]), checks=checks)
-                 for name, reason, key, checks in DIFFERENCES)
+    return tuple(Difference(name, reason=reason, link=at.format(lines[key]), checks=checks,
+                            cases=cases)
+                 for name, reason, key, checks, cases in DIFFERENCES)
