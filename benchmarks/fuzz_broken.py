@@ -9,7 +9,9 @@ tests/targets/broken_adapters.py, the reference adapter and the toy trainer.
 Prints one line per adapter: the check found (or "clean"), examples until the first failure,
 scenario runs (run level), wall seconds including shrinking and writing the case; then totals.
 Stage-level broken adapters are fuzzed on their own stage (every check of it); train_step ones
-at run level. Findings go to a temporary directory. Figures depend on the machine and its load.
+at run level. Findings go to a temporary directory. torch runs one intra-op thread
+($RLAUDIT_TEST_THREADS, as the test suite): on a small shared machine more threads contend and
+a run-level example gets ~30x slower. Figures depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def main() -> int:
     ap.add_argument("--only", action="append", help="adapter name (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    import os
+
+    import torch
+    torch.set_num_threads(int(os.environ.get("RLAUDIT_TEST_THREADS", "1")))
     import broken_adapters as broken
     from examples.toy_trainer.adapter import ToyAdapter
     from rlaudit.targets.fuzz import DEFAULT_BUDGET, fuzz_target

@@ -14,7 +14,9 @@ go red: a red that does not mean "broken" makes the audit useless. So an adapter
 - ``differences``: :class:`Difference` records with a reason and an upstream link. One with a
   ``convention`` the reference can compute makes the covered checks run under that convention;
   one without turns what would be a failure of a covered check into the third state
-  ``differs`` (declared). Anything undeclared that differs still fails.
+  ``differs`` (declared). Anything undeclared that differs still fails;
+- ``filters_groups``: ``train_step`` applies DAPO's group filter itself, so it is handed the
+  unfiltered rows of DAPO scenarios (rlaudit/targets/dynamic_sampling.py).
 
 Every declaration is validated when the adapter is loaded (:func:`validate`): a wrong one is an
 input error (exit 2) naming the attribute.

@@ -143,8 +143,8 @@ def fuzz_check(adapter: object, decl: Declarations, check: StageCheck, *, budget
 
 
 def fuzz_target(target: str | object, *, stages: list[str] | None = None,
-                checks: list[str] | None = None, budget: int = DEFAULT_BUDGET, found_dir: str | Path = "scenarios/found",
-                report_dir: str | Path = "reports", rng_seed: int = 0, write: bool = True,
+                checks: list[str] | None = None, budget: int = DEFAULT_BUDGET,
+                found_dir: str | Path = "scenarios/found", report_dir: str | Path = "reports", rng_seed: int = 0, write: bool = True,
                 run_budget: int | None = None, scenarios_dir: str | Path = "scenarios"
                 ) -> FuzzReport:
     """Fuzz every stage check of ``target`` (``"module:Attr"`` or an adapter), restricted to
