@@ -82,7 +82,7 @@ def main() -> int:
                                  rng_seed=args.seed)
             level = "run" if stages == ["train_step"] else "stage"
             runs = next((o.note.split()[0] for o in report.outcomes
-                         if o.check == "train_step:run-level" and o.note), "")
+                         if o.check == "train_step:run-level" and "scenario runs" in o.note), "")
             found = ", ".join(sorted({f.check for f in report.findings})) or "clean"
             first = min((f.examples for f in report.findings), default=0)
             print(f"{adapter.name:30s} {level:6s} {found:44s} {first:8d} {runs:>5s} "

@@ -30,6 +30,7 @@ from rlaudit.data.batch import Kind, RolloutBatch
 from rlaudit.data.io import load_rollout, save_rollout
 from rlaudit.errors import InputError
 from rlaudit.scenarios.result import CheckResult, ScenarioResult
+from rlaudit.targets import batch_checks, loss_checks  # noqa: F401  (register their checks)
 from rlaudit.targets.adapter import adapter_name
 from rlaudit.targets.cases import FLOAT_FIELDS, Case
 from rlaudit.targets.checks import STAGE_CHECKS, StageEnv
@@ -46,7 +47,6 @@ _TUPLES = ("clip_settings", "layouts", "loss_modes", "loss_agg_modes", "advantag
 
 def stage_results(env: StageEnv, stage: str) -> list[CheckResult]:
     """Every check of ``stage`` on ``env`` (no-mutation last: it reads what the others called)."""
-    from rlaudit.targets import batch_checks, filter_checks, loss_checks  # noqa: F401
     checks = sorted((c for c in STAGE_CHECKS.values() if c.stage == stage),
                     key=lambda c: c.name.endswith("no-mutation"))
     return [c.fn(env) for c in checks]

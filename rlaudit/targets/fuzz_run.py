@@ -2,8 +2,9 @@
 
 Each example is a whole scenario: Hypothesis draws a training configuration (every knob in
 :data:`KNOBS`, the first value of each being rlaudit's default, so the simplest example is the
-default configuration) and a geometry of the built-in rollout (rows dropped, rows reordered, rule
-scores as sampled or as 0/1 accuracy). The scenario is replayed on the target and on the reference
+default configuration) and a geometry of the built-in rollout (prompt groups dropped, rows
+reordered so a group's rows are scattered, rule scores as sampled or as 0/1 accuracy; every group
+keeps its ``rollout.n`` rows, as generation produces them). The scenario is replayed on the target and on the reference
 backend through :func:`rlaudit.targets.runner.run_target_scenario` — the target's declared
 precision, noise floor, metric reduction, differences and ``supports`` apply as in ``rlaudit run``
 — with the invariants that need no variant beyond the base run (:data:`INVARIANTS`). Configs the
@@ -11,8 +12,8 @@ adapter does not support are discarded, not counted as passed.
 
 An example costs three training runs (target, reference, the reference's noise-floor replay), so
 Hypothesis only generates; the first failure is shrunk here, greedily and within a bound
-(:data:`MAX_SHRINKS` runs): each knob back to its default, the rows back in order, then rows
-dropped, each change kept while the same invariant still fails. The result is written as an
+(:data:`MAX_SHRINKS` runs): the knobs back to their defaults (halves first), the rows back in
+order, then groups dropped, each change kept while the same invariant still fails. The result is written as an
 ordinary scenario (``<name>.yaml`` + ``<name>.safetensors``) that ``rlaudit run --target X``
 replays.
 
@@ -30,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 from hypothesis import HealthCheck, Phase, Verbosity, assume, example, given, seed, settings
 from hypothesis import strategies as st
@@ -101,22 +103,25 @@ def knobs(adapter) -> dict[str, list]:
     }
 
 
-def example_strategy(adapter, rows: int):
+def example_strategy(adapter, rows: int, groups: int):
+    """Knob values, which prompt groups of the built-in rollout are dropped (whole groups: every
+    group keeps ``rollout.n`` rows, which trainers laying a batch out as prompts x n need) and
+    the order of the rows (a group's rows scattered)."""
     table = knobs(adapter)
 
     @st.composite
     def example(draw):
         values = {k: draw(st.sampled_from(v)) for k, v in table.items() if v}
-        drop = draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+        drop = draw(st.lists(st.booleans(), min_size=groups, max_size=groups))
         order = draw(st.permutations(list(range(rows))))
         return {"knobs": values, "drop": drop, "order": order}
     return example()
 
 
-def default_example(table: dict, rows: int) -> dict:
+def default_example(table: dict, rows: int, groups: int) -> dict:
     """The first example (Hypothesis' explicit phase): every knob at its default, every row of
     the built-in rollout in order."""
-    return {"knobs": {k: v[0] for k, v in table.items() if v}, "drop": [False] * rows,
+    return {"knobs": {k: v[0] for k, v in table.items() if v}, "drop": [False] * groups,
             "order": list(range(rows))}
 
 
@@ -139,9 +144,28 @@ def config_of(values: dict) -> tuple[dict, int]:
     return cfg, int(values.get("steps", 1))
 
 
+def config_for(ex: dict, raw: RolloutBatch) -> tuple[dict, int]:
+    """:func:`config_of` with ``rollout.n`` and ``data.train_batch_size`` as the drawn rows have
+    them (trainers that lay a batch out as prompts x n need them to agree; ragged groups keep
+    the largest size)."""
+    cfg, steps = config_of(ex["knobs"])
+    _, sizes = torch.unique(raw["uid"], return_counts=True)
+    cfg["rollout"]["n"] = int(sizes.max())
+    cfg["data"]["train_batch_size"] = int(len(sizes))
+    return cfg, steps
+
+
+def kept_rows(batch: RolloutBatch, ex: dict) -> list[int]:
+    """Rows of the built-in rollout an example keeps, in its order."""
+    groups = list(dict.fromkeys(batch["uid"].tolist()))
+    dropped = {g for g, d in zip(groups, ex["drop"]) if d}
+    uid = batch["uid"].tolist()
+    return [i for i in ex["order"] if uid[i] not in dropped]
+
+
 def rollout_of(batch: RolloutBatch, ex: dict) -> RolloutBatch | None:
     """The drawn geometry of the built-in rollout (None: fewer than two rows left)."""
-    rows = [i for i in ex["order"] if not ex["drop"][i]]
+    rows = kept_rows(batch, ex)
     if len(rows) < 2:
         return None
     out = batch.select(rows)
@@ -163,11 +187,13 @@ class RunProbe:
         self.model = builtin.tiny_model_path(scenarios_dir)
         self.ref = builtin.tiny_model_path(scenarios_dir, "llama")
         self.batch = builtin.rollout(self.model)
+        #: (rows, prompt groups) of the built-in rollout
+        self.geometry = (len(self.batch), int(torch.unique(self.batch["uid"]).numel()))
         self.tmp = Path(tempfile.mkdtemp(prefix="rlaudit-fuzz-"))
         self.runs = 0
 
-    def scenario(self, ex: dict, rollout_path: Path) -> Scenario | None:
-        cfg_dict, steps = config_of(ex["knobs"])
+    def scenario(self, ex: dict, rollout_path: Path, raw: RolloutBatch) -> Scenario | None:
+        cfg_dict, steps = config_for(ex, raw)
         try:
             cfg = load_config(cfg_dict, source="rlaudit fuzz")
         except InputError:
@@ -186,7 +212,7 @@ class RunProbe:
             return None
         path = self.tmp / f"example-{self.runs}.safetensors"
         save_rollout(raw, path)
-        scn = self.scenario(ex, path)
+        scn = self.scenario(ex, path, raw)
         if scn is None or not supports(self.adapter, scn.config)[0]:
             return None
         from rlaudit.targets.runner import run_target_scenario
@@ -200,6 +226,8 @@ class RunProbe:
                                       unfiltered=raw)
         except InputError:      # e.g. mini-batches that do not divide the drawn rows
             return None
+        if res.errors.get(self.name, "").startswith("NotImplementedError"):
+            return None         # the trainer says it does not support this input
         bad = {}
         for c in res.checks:
             if c.status in (FAIL, ERROR):
@@ -209,7 +237,7 @@ class RunProbe:
 
 
 def _shrink(probe: RunProbe, ex: dict, bad: dict, want: str, table: dict) -> tuple[dict, dict]:
-    """Greedy, bounded: knobs to defaults, rows in order, rows dropped; each change kept while
+    """Greedy, bounded: knobs to defaults, rows in order, groups dropped; each change kept while
     ``want`` still fails. Returns the smallest failing example and its failures."""
     budget, last = MAX_SHRINKS, bad
 
@@ -243,7 +271,7 @@ def _shrink(probe: RunProbe, ex: dict, bad: dict, want: str, table: dict) -> tup
         cand = {**ex, "order": sorted(ex["order"])}
         if still(cand):
             ex = cand
-    for i in range(len(ex["drop"])):
+    for i in range(len(ex["drop"])):        # whole groups dropped
         if not ex["drop"][i]:
             cand = {**ex, "drop": [d or j == i for j, d in enumerate(ex["drop"])]}
             if still(cand):
@@ -278,10 +306,10 @@ def fuzz_train_step(adapter, report, *, spec: str, budget: int | None, found_dir
                     report_multiple_bugs=False, verbosity=Verbosity.quiet,
                     suppress_health_check=list(HealthCheck),
                     phases=(Phase.explicit, Phase.reuse, Phase.generate))(
-        seed(rng_seed)(example(default_example(table, len(probe.batch)))(
-            given(example_strategy(adapter, len(probe.batch)))(body))))
+        seed(rng_seed)(example(default_example(table, *probe.geometry))(
+            given(example_strategy(adapter, *probe.geometry))(body))))
     test._hypothesis_internal_database_key = hashlib.sha256(
-        f"rlaudit-fuzz-run:1:{probe.name}".encode()).digest()
+        f"rlaudit-fuzz-run:2:{probe.name}".encode()).digest()
     t0 = time.perf_counter()
     try:
         test()
@@ -325,13 +353,13 @@ def save_run_case(directory: Path, name: str, probe: RunProbe, ex: dict, *, targ
     directory.mkdir(parents=True, exist_ok=True)
     raw = rollout_of(probe.batch, ex)
     save_rollout(raw, directory / f"{name}.safetensors")
-    cfg, steps = config_of(ex["knobs"])
+    cfg, steps = config_for(ex, raw)
     changed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ex["knobs"].items()
                if v != knobs(probe.adapter)[k][0]}
     doc = {
         "description": (f"Found by `rlaudit fuzz` on {target}: {message[:400]} | knobs off "
                         f"their defaults: {changed or 'none'}; rows of the built-in rollout "
-                        f"kept, in order: {[i for i in ex['order'] if not ex['drop'][i]]}. "
+                        f"kept, in order: {kept_rows(probe.batch, ex)}. "
                         f"Replay: rlaudit run --target {target} {directory / (name + '.yaml')}"),
         "model": os.path.relpath(probe.model, directory),
         "ref_model": os.path.relpath(probe.ref, directory),
