@@ -10,8 +10,10 @@ import torch
 
 
 def naive_agg(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
-              norm_len: float | None = None) -> float:
-    """Whole-batch aggregation by loops (docs/internals.md table). ``norm_len`` defaults to R."""
+              norm_len: float | None = None, *, seq_count: str = "valid-rows") -> float:
+    """Whole-batch aggregation by loops (docs/internals.md table). ``norm_len`` defaults to R.
+    ``seq_count``: the sequence means divide by the rows with a valid token ("valid-rows"), or
+    by every row ("all-rows": a target's declared convention, ``actor.loss_seq_count``)."""
     x = loss_mat.double().tolist()
     m = mask.bool().tolist()
     rows = [[v for v, keep in zip(xr, mr) if keep] for xr, mr in zip(x, m)]
@@ -21,13 +23,16 @@ def naive_agg(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
         return sum(sum(r) for r in rows) / n if n else 0.0
     if not rows_nonempty:
         return 0.0
+    if seq_count not in ("valid-rows", "all-rows"):
+        raise ValueError(f"unknown seq_count {seq_count!r}")
+    n_seq = len(rows_nonempty) if seq_count == "valid-rows" else len(rows)
     if mode == "seq-mean-token-sum":
-        return sum(sum(r) for r in rows_nonempty) / len(rows_nonempty)
+        return sum(sum(r) for r in rows_nonempty) / n_seq
     if mode == "seq-mean-token-mean":
-        return sum(sum(r) / len(r) for r in rows_nonempty) / len(rows_nonempty)
+        return sum(sum(r) / len(r) for r in rows_nonempty) / n_seq
     if mode == "seq-mean-token-sum-norm":
         length = float(norm_len if norm_len is not None else loss_mat.shape[-1])
-        return sum(sum(r) for r in rows_nonempty) / (len(rows_nonempty) * length)
+        return sum(sum(r) for r in rows_nonempty) / (n_seq * length)
     raise ValueError(f"unknown aggregation mode {mode!r}")
 
 

@@ -6,9 +6,9 @@ from rlaudit.algo.kl import kl_penalty
 from rlaudit.algo.reward import place_scores
 from rlaudit.data.batch import Kind
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, compare_tensors,
-                                               invariant, result)
+                                               invariant, not_applicable, result)
 from rlaudit.scenarios.invariants.compare import compare_runs
-from rlaudit.scenarios.invariants.naive import naive_agg
+from rlaudit.scenarios.invariants.logged import logged_agg, microbatch_rows
 from rlaudit.update.step import sequence_scores
 
 
@@ -33,9 +33,10 @@ def entropy_logged(ctx: CheckContext):
     """With ``entropy_coeff = 0`` and ``calculate_entropy = true``, every backend logs
     ``actor/entropy``, its value is the policy entropy aggregated with ``loss_agg_mode`` over the
     batch (recomputed here from the per-token entropy of the initial policy: on a single on-policy
-    optimizer step the update sees exactly that policy), and the loss, gradient and updated
-    parameters equal those of the run with ``calculate_entropy = false`` (entropy is logged, not
-    optimised)."""
+    optimizer step the update sees exactly that policy; for a backend that reduces it as a
+    micro-batch mean, the mean over its micro-batches of each one's aggregate), and the loss,
+    gradient and updated parameters equal those of the run with ``calculate_entropy = false``
+    (entropy is logged, not optimised)."""
     out = []
     scn = ctx.scenario
     mask = ctx.batch.mask
@@ -51,13 +52,22 @@ def entropy_logged(ctx: CheckContext):
                               "actor/entropy is not logged although calculate_entropy is true "
                               "(entropy_coeff = 0)"))
             continue
-        want = naive_agg(calc.tokens["probe_entropy"], mask, scn.config.actor.loss_agg_mode,
-                         norm_len=scn.config.actor.loss_scale_factor)
+        cfg = run_cfg(ctx, "entropy:calc")
+        reduced = cfg.trainer.metric_mode("actor/entropy")
+        want = logged_agg("actor/entropy", calc.tokens["probe_entropy"], mask, cfg,
+                          microbatch_rows(calc, cfg, ctx.batch))
+        if want is None:
+            out.append(not_applicable("entropy-logged-when-coeff-zero", b, "actor/entropy is "
+                                      "reduced as a micro-batch mean and the micro-batches' rows "
+                                      "are unknown (micro-batch records do not fit the batch)"))
+            continue
         tol = scn.tol("actor/entropy")
         problems = []
         if not tol.close(m["actor/entropy"], want):
+            how = ("" if reduced == "contribution"
+                   else ", averaged over micro-batches (metric_reduction microbatch-mean),")
             problems.append(f"actor/entropy = {m['actor/entropy']:.10g}, but the policy's entropy "
-                            f"aggregated with {scn.config.actor.loss_agg_mode} is {want:.10g}")
+                            f"aggregated with {cfg.actor.loss_agg_mode}{how} is {want:.10g}")
         same = compare_runs(scn, calc, off, mask=mask, metric_names_equal=False,
                             metrics=["actor/loss", "actor/pg_loss", "actor/grad_norm"],
                             tokens=(), label="calculate_entropy true vs false")
