@@ -36,7 +36,14 @@ def test_slime_after_2114_passes(tmp_path):
     assert got["apply_kl_in_reward:no-mutation"] == "pass"
     assert got["kl_penalty:parity"] == "pass"
     assert got["policy_loss:masked-values"] == "pass"
-    assert got["policy_loss:parity"] == "differs"       # declared: denominators, GSPO gradient
+    # declared, without a reference convention: the per-token normaliser counting an empty
+    # sample as one token (token-mean, ragged) and GSPO's sequence-level gradient; the
+    # per-sample mean over every sample is the seq_count convention (strict)
+    assert got["policy_loss:parity"] == "differs"
+    assert set(checks["policy_loss:parity"]["details"]["differences"]) == {
+        "per-token-normaliser-counts-empty-samples", "gspo-sequence-level-gradient"}
+    assert set(checks["policy_loss:global-split"]["details"]["differences"]) == {
+        "per-token-normaliser-counts-empty-samples"}
 
 
 @pytest.mark.slow
