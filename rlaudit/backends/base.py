@@ -30,6 +30,10 @@ class Variant:
     config: Config
     batch: RolloutBatch
     steps: int = 1
+    probe: Any = None
+    """A :class:`rlaudit.backends.probe.ProbeSpec` only in the drift localisation's re-run of a
+    failing variant (the run then stops after the probed step and carries ``info["probe"]``);
+    None in every ordinary replay."""
 
 
 @dataclass
@@ -41,6 +45,14 @@ class ReplayRequest:
     dtype: str = "float32"
     device: str = "cpu"
     timeout: float = 600.0
+    faults: str = field(default_factory=lambda: _faults_from_env())
+    """Test-only fault injectors (rlaudit/backends/faults.py): a copy of ``$RLAUDIT_FAULT`` taken
+    when the request is made, so it reaches ranks spawned earlier; empty in every real run."""
+
+
+def _faults_from_env() -> str:
+    from rlaudit.backends.faults import from_env
+    return from_env()
 
 
 @dataclass
