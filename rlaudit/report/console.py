@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlaudit.report.localise_view import console_lines
 from rlaudit.scenarios.result import ScenarioResult
 
 SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR"}
@@ -45,11 +46,14 @@ def render_result(res: ScenarioResult) -> str:
            line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     problems = [c for c in res.checks if c.status in ("fail", "error")]
+    printed: set = set()  # localisation entries already shown under a check
     for c in problems:
         out.append(f"  {SYMBOL[c.status]} {c.invariant} [{c.backend}]: {c.message}")
+        out += console_lines(res, c.invariant, c.backend, printed)
     for g in res.golden:
         if g.status in ("fail", "stale", "blessed"):
             out.append(f"  golden {GOLDEN_SYMBOL[g.status]} [{g.backend}]: {g.message}")
+            out += console_lines(res, "golden", g.backend, printed)
     for b, err in res.errors.items():
         out.append(f"  backend {b} crashed:\n" + "\n".join("    " + ln for ln in err.splitlines()[-15:]))
     return "\n".join(out)
