@@ -126,6 +126,9 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
     for inv in scn.invariants:
         res.checks.extend(check_invariant(inv, ctx, name, adapter, target.skipped))
     res.runs = runs
+    if not res.passed:  # only a failure is localised: nothing extra runs otherwise
+        from rlaudit.targets.localise import localise_target
+        res.localisation = localise_target(adapter, name, scn, ctx, res)
     res.seconds = time.perf_counter() - t0
     return res
 
