@@ -35,6 +35,16 @@ def _num(x) -> str:
     return R.fmt_num(x, 2) if x is not None else "-"
 
 
+def _ranges_text(ranges) -> str:
+    """", rows 128-255 of 256" for the dimensions not wholly out of tolerance."""
+    if not ranges:
+        return ""
+    dims = ("rows", "columns") if len(ranges) == 2 else tuple(f"dim {d}" for d in range(len(ranges)))
+    parts = [f"{dims[d]} {lo}-{hi} of {n}" for d, (lo, hi, n) in enumerate(ranges)
+             if (lo, hi) != (0, n - 1)]
+    return (", " + ", ".join(parts)) if parts else ", everywhere"
+
+
 def _layer_lines(layers: dict) -> list[str]:
     if layers.get("error"):
         return [f"model probe: {layers['error']}"]
@@ -61,10 +71,9 @@ def _layer_lines(layers: dict) -> list[str]:
         first = next((c for c in curve if c["module"] == layers.get("module")), None)
         for p in (first or {}).get("params", []):
             if p["out"]:
-                rows = (f", rows {p['rows_out'][0]}-{p['rows_out'][1]} of {p['rows']}"
-                        if "rows_out" in p else "")
                 out.append(f"  {p['parameter']}: {p['entries_out']} of {p['numel']} gradient "
-                           f"entries out{rows}; drift {_num(p['drift'])}")
+                           f"entries out{_ranges_text(p.get('ranges_out'))}; "
+                           f"drift {_num(p['drift'])}")
     tokens = layers.get("worst_tokens") or []
     if tokens:
         out.append("worst tokens there: " + "; ".join(

@@ -114,11 +114,19 @@ def _param_grads(scn, module: str, got: dict | None, want: dict | None) -> list[
         entry = {"parameter": name, "drift": relative(float(diff.max()), scale, tol),
                  "bound": relative(bound, scale, tol), "out": bool(bad.any()),
                  "entries_out": int(bad.sum()), "numel": w.numel()}
-        if bad.any() and w.dim() >= 1:
-            rows = bad.reshape(w.shape[0], -1).any(-1).nonzero().flatten()
-            entry["rows_out"] = [int(rows.min()), int(rows.max())]
-            entry["rows"] = int(w.shape[0])
+        if bad.any():
+            entry["ranges_out"] = _ranges(bad)
         out.append(entry)
+    return out
+
+
+def _ranges(bad: torch.Tensor) -> list[list[int]]:
+    """Per dimension, ``[first, last, size]`` of the indices holding an entry out of tolerance
+    (a tensor-parallel shard shows as one half of a dimension)."""
+    out = []
+    for d in range(bad.dim()):
+        hit = bad.transpose(0, d).reshape(bad.shape[d], -1).any(-1).nonzero().flatten()
+        out.append([int(hit.min()), int(hit.max()), int(bad.shape[d])])
     return out
 
 
