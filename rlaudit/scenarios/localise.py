@@ -48,6 +48,8 @@ ROLLOUT_CHECK = "rollout-parity"
 GOLDEN = "golden"
 #: stages after which the model is probed backward (forward otherwise)
 BACKWARD_STAGES = ("gradients",)
+#: stages of the actor update (per-step metrics average them over optimizer steps)
+UPDATE_STAGES = ("per-micro-batch loss", "gradients", "grad norm", "parameters after the update")
 #: stages whose divergence the forward layer probe explains
 FORWARD_STAGES = ("old/ref log-probs", "per-micro-batch loss")
 
@@ -137,6 +139,11 @@ def _summary(entry: dict) -> str:
     layers = entry.get("layers") or {}
     if layers.get("module"):
         text += f", first module out of tolerance ({layers['direction']}): {layers['module']}"
+    elif layers.get("curve") and layers["direction"] == "forward" and (
+            entry["stage"] == "old/ref log-probs" or (entry["stage"] == "per-micro-batch loss"
+                                                      and entry.get("optimizer_step") is not None)):
+        text += (", every module output agrees: the divergence enters after the LM head "
+                 "(log-probs from the logits, or the loss)")
     elif entry["stage"] in NO_MODEL_STAGES and entry["step"] == 0:
         text += " (before any model op: old/ref log-probs agree)"
     return text
@@ -164,6 +171,11 @@ def pair_entry(scn, backend: str, checks: list[str], variant: Variant, got: Vari
         return entry, None
     if report.stage in NO_MODEL_STAGES and report.step == 0:
         return entry, None
+    if report.stage in UPDATE_STAGES:
+        entry["note"] = (f"placed from per-step metrics, which average step {report.step}'s "
+                         f"optimizer steps: the update of that step diverges; which optimizer "
+                         f"step, and whether loss, gradient or parameter update first, needs "
+                         f"per-optimizer-step records (the probe re-run)")
     return entry, ProbeSpec(target_step=report.step, rows=_probe_rows(report, len(variant.batch)),
                             role=_role(report))
 
@@ -174,6 +186,7 @@ def finish_with_probe(scn, entry: dict, mask: torch.Tensor, got: dict, want: dic
     report = first_divergence_in_probe(scn, got, want, mask)
     if report is not None:
         _stage_entry(entry, report)
+        entry.pop("note", None)
     else:
         entry["note"] = ("the probe re-run found no divergence up to step "
                          f"{got['spec']['target_step']}: the stage above comes from the "

@@ -24,8 +24,29 @@ from rlaudit.backends.base import Variant
 from rlaudit.backends.probe import ProbeSpec, ROW_FIELD, layer_probe
 from rlaudit.scenarios import localise as L
 from rlaudit.scenarios.localise_layers import backward_report, forward_report
+from rlaudit.scenarios.spec import Tolerance
 
 HOOK = "probe_model"
+#: (rtol, atol) floors of the module comparison by the adapter's ``train_precision`` (the
+#: run-level floors of the adapter API): a stock HF model in float64 keeps float32 islands
+#: (RMSNorm variance, eager softmax, RoPE), so its modules sit ~1e-7 from rlaudit's exact ones
+PRECISION_FLOORS = {"float64": (0.0, 0.0), "hf-float64": (1e-5, 1e-6), "float32": (1e-4, 1e-5),
+                    "bfloat16": (5e-2, 5e-2)}
+DEFAULT_PRECISION = "hf-float64"
+
+
+class FlooredTolerances:
+    """A scenario whose tolerances are at least ``floor`` (rtol, atol)."""
+
+    def __init__(self, scn, floor: tuple[float, float]):
+        self._scn, self._floor = scn, floor
+
+    def __getattr__(self, name):
+        return getattr(self._scn, name)
+
+    def tol(self, name: str):
+        t = self._scn.tol(name)
+        return Tolerance(max(t.rtol, self._floor[0]), max(t.atol, self._floor[1]))
 
 
 def _adapter_roles(adapter, scn, variant: Variant, spec: ProbeSpec, device: str):
@@ -53,6 +74,8 @@ def target_layers(adapter, scn, variant: Variant, spec: ProbeSpec, want_layers: 
     batch = variant.batch.with_fields(kinds={ROW_FIELD: "seq"},
                                       **{ROW_FIELD: torch.arange(len(variant.batch))})
     got = layer_probe(roles, batch, variant.config, spec)
+    precision = getattr(adapter, "train_precision", None) or DEFAULT_PRECISION
+    scn = FlooredTolerances(scn, PRECISION_FLOORS.get(precision, PRECISION_FLOORS["float32"]))
     forward = forward_report(scn, got, want_layers)
     if forward.get("module") or got.get("param_grads") is None:
         return forward
