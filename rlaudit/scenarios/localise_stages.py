@@ -95,15 +95,20 @@ class StageReport:
     """The first divergent (step, stage[, optimizer step]); every divergent quantity there;
     the stages seen to agree before it at that step."""
 
-    step: int
-    stage: str
+    step: int | None
+    stage: str | None
     divergences: list[Divergence]
     agreed: list[str]
     optimizer_step: int | None = None
+    structural: list[str] = field(default_factory=list)
+    """Failures that are not numeric divergences (metric names, a tensor in one run only)."""
 
     def to_json(self) -> dict:
-        return {"step": self.step, "stage": self.stage, "optimizer_step": self.optimizer_step,
-                "agreed": list(self.agreed), "divergences": [d.to_json() for d in self.divergences]}
+        out = {"step": self.step, "stage": self.stage, "optimizer_step": self.optimizer_step,
+               "agreed": list(self.agreed), "divergences": [d.to_json() for d in self.divergences]}
+        if self.structural:
+            out["structural"] = list(self.structural)
+        return out
 
 
 def _rel(got: float, want: float, tol: Tolerance) -> float:
@@ -167,41 +172,68 @@ def _first(found: dict[str, list[Divergence]], step: int, opt: int | None = None
 
 def first_divergence_in_runs(scn, got: VariantRun, want: VariantRun, mask: torch.Tensor
                              ) -> StageReport | None:
-    """The first (step, stage) at which ``got`` leaves ``want`` (see the module docstring), or
-    None when every compared quantity agrees. Stages with nothing to compare at a step are left
-    out of ``agreed``."""
-    n_steps = min(len(got.steps), len(want.steps))
-    for step in range(n_steps):
-        found: dict[str, list[Divergence]] = {}
-        g, w = got.steps[step], want.steps[step]
-        for stage in STAGES:
-            hits: list[Divergence] = []
-            seen = False
-            if step == 0:
-                for name, st in TOKEN_STAGE.items():
-                    if st == stage and name in got.tokens and name in want.tokens:
-                        seen = True
-                        d = _tensor(scn, name, got.tokens[name], want.tokens[name], mask,
-                                    stage=stage, step=step)
-                        if d is not None:
-                            hits.append(d)
-            names = [n for n in golden_names(w) if metric_stage(n) == stage]
-            seen = seen or any(n in g for n in names)
-            hits += _metrics(scn, g, w, names, stage=stage, step=step)
-            if stage == "parameters after the update" and step < min(len(got.params),
-                                                                      len(want.params)):
-                if got.param_names == want.param_names:
-                    seen = True
-                    d = _params(scn, got.params[step], want.params[step], want.param_names,
-                                want.param_numels, step=step)
-                    if d is not None:
-                        hits.append(d)
-            if seen:
-                found[stage] = hits
-        report = _first(found, step)
-        if report is not None:
-            return report
+    """The first (step, stage) at which ``got`` leaves ``want``, or None when they agree.
+
+    The comparison is parity's own (:func:`rlaudit.scenarios.invariants.compare.compare_runs`:
+    the same tolerances and noise floors), its failures placed by step and stage: a metric in its
+    step and :func:`metric_stage`, a per-token tensor (recorded at step 0) in :data:`TOKEN_STAGE`,
+    the parameters in the step after which they were read. Failures of neither kind (metric
+    names, tensors present in one run only) are returned as ``structural`` on the report, or make
+    a report with ``stage`` None when nothing numeric differs."""
+    from rlaudit.scenarios.invariants.compare import compare_runs
+
+    c = compare_runs(scn, got, want, mask=mask)
+    if c.ok:
+        return None
+    placed: dict[tuple[int, str], list[Divergence]] = {}
+    structural = []
+    for f in c.details.get("failures", []):
+        d = _placed(f)
+        if d is None:
+            structural.append(f.get("message", ""))
+        else:
+            placed.setdefault((d.step, d.stage), []).append(d)
+    if not placed:
+        return StageReport(step=None, stage=None, divergences=[], agreed=[],
+                           structural=structural)
+    step, stage = min(placed, key=lambda k: (k[0], STAGES.index(k[1])))
+    seen = _stages_compared(got, want, step)
+    agreed = [s for s in STAGES[:STAGES.index(stage)] if s in seen]
+    return StageReport(step, stage, placed[(step, stage)], agreed, structural=structural)
+
+
+def _placed(f: dict) -> Divergence | None:
+    """A compare_runs failure record as a Divergence with its step and stage (None: neither)."""
+    msg = f.get("message", "")
+    if "metric" in f and f.get("step") is not None:
+        stage = metric_stage(f["metric"])
+        if stage is None:
+            return None
+        want = f.get("want")
+        drift = (abs(f["got"] - want) / max(abs(want), 1e-300)
+                 if f.get("got") is not None and want is not None else 0.0)
+        return Divergence(f["metric"], stage, int(f["step"]), msg, drift)
+    if "tensor" in f and f["tensor"] in TOKEN_STAGE:
+        return Divergence(f["tensor"], TOKEN_STAGE[f["tensor"]], 0, msg,
+                          f.get("max_abs_diff", 0.0), worst=f.get("worst", []))
+    if f.get("step") is not None and "parameters after step" in msg:
+        return Divergence(f"parameters after step {f['step']}", "parameters after the update",
+                          int(f["step"]), msg, f.get("max_abs_diff", 0.0),
+                          worst=f.get("worst", []))
     return None
+
+
+def _stages_compared(got: VariantRun, want: VariantRun, step: int) -> set[str]:
+    """Stages with a quantity both runs carry at ``step``."""
+    seen = set()
+    if step == 0:
+        seen |= {TOKEN_STAGE[n] for n in TOKEN_STAGE if n in got.tokens and n in want.tokens}
+    if step < min(len(got.steps), len(want.steps)):
+        seen |= {metric_stage(n) for n in golden_names(want.steps[step])
+                 if n in got.steps[step]} - {None}
+    if step < min(len(got.params), len(want.params)):
+        seen.add("parameters after the update")
+    return seen
 
 
 def first_divergence_in_probe(scn, got: dict, want: dict, mask: torch.Tensor

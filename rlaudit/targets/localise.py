@@ -24,29 +24,8 @@ from rlaudit.backends.base import Variant
 from rlaudit.backends.probe import ProbeSpec, ROW_FIELD, layer_probe
 from rlaudit.scenarios import localise as L
 from rlaudit.scenarios.localise_layers import backward_report, forward_report
-from rlaudit.scenarios.spec import Tolerance
 
 HOOK = "probe_model"
-#: (rtol, atol) floors of the module comparison by the adapter's ``train_precision`` (the
-#: run-level floors of the adapter API): a stock HF model in float64 keeps float32 islands
-#: (RMSNorm variance, eager softmax, RoPE), so its modules sit ~1e-7 from rlaudit's exact ones
-PRECISION_FLOORS = {"float64": (0.0, 0.0), "hf-float64": (1e-5, 1e-6), "float32": (1e-4, 1e-5),
-                    "bfloat16": (5e-2, 5e-2)}
-DEFAULT_PRECISION = "hf-float64"
-
-
-class FlooredTolerances:
-    """A scenario whose tolerances are at least ``floor`` (rtol, atol)."""
-
-    def __init__(self, scn, floor: tuple[float, float]):
-        self._scn, self._floor = scn, floor
-
-    def __getattr__(self, name):
-        return getattr(self._scn, name)
-
-    def tol(self, name: str):
-        t = self._scn.tol(name)
-        return Tolerance(max(t.rtol, self._floor[0]), max(t.atol, self._floor[1]))
 
 
 def _adapter_roles(adapter, scn, variant: Variant, spec: ProbeSpec, device: str):
@@ -74,8 +53,8 @@ def target_layers(adapter, scn, variant: Variant, spec: ProbeSpec, want_layers: 
     batch = variant.batch.with_fields(kinds={ROW_FIELD: "seq"},
                                       **{ROW_FIELD: torch.arange(len(variant.batch))})
     got = layer_probe(roles, batch, variant.config, spec)
-    precision = getattr(adapter, "train_precision", None) or DEFAULT_PRECISION
-    scn = FlooredTolerances(scn, PRECISION_FLOORS.get(precision, PRECISION_FLOORS["float32"]))
+    # ``scn`` is the declared scenario (runner.declared_scenario): its tolerances are floored by
+    # the adapter's train precision, so a stock HF float64 model's float32 islands stay inside
     forward = forward_report(scn, got, want_layers)
     if forward.get("module") or got.get("param_grads") is None:
         return forward
@@ -97,14 +76,23 @@ def localise_target(adapter, target: str, scn, ctx, res) -> list[dict]:
                            else L.golden_entry(scn, backend, checks, golden[backend]))
         except Exception as e:
             entries.append(L._failed(backend, checks, e))
+    from rlaudit.targets.runner import metric_universe, narrowed_reference
+
     for backend, checks in pair.items():
         try:
-            name = L.failing_variant(ctx, backend)
+            # compared as parity compares a target: the reference narrowed to what it reports
+            oracle = narrowed_reference(ctx.runs[L.ORACLE], ctx.runs[backend],
+                                        metric_universe(ctx.runs[backend], adapter))
+            name = L.failing_variant(ctx, backend, oracle)
             if name is None:
+                entries.append({"backend": backend, "against": L.ORACLE, "checks": checks,
+                                "step": None, "stage": None, "optimizer_step": None,
+                                "note": f"no variant differs from {L.ORACLE} beyond the "
+                                        f"scenario's tolerances"})
                 continue
             variant = ctx.variant(name)
             entry, spec = L.pair_entry(scn, backend, checks, variant, ctx.run(backend, name),
-                                       ctx.run(L.ORACLE, name))
+                                       oracle[name])
             entries.append(entry)
             if spec is None:
                 continue
