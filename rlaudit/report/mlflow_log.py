@@ -13,7 +13,9 @@ Child run (tag ``rlaudit.kind=scenario``, ``mlflow.parentRunId``):
 - tags: ``invariant.<name>`` = pass | fail | n/a | error (worst check for this backend),
   ``invariant.<name>.message`` for failures, ``golden`` = the golden status, ``error`` (crash);
 - artifact ``token_diffs.parquet`` (non-reference backends): per-token tensors minus the
-  reference backend's, long format: variant, tensor, row, token, value, reference, diff.
+  reference backend's, long format: variant, tensor, row, token, value, reference, diff;
+- artifacts ``localisation.json`` and ``drift_vs_depth.png`` on a backend whose parity or golden
+  check failed: where it first diverged (rlaudit/scenarios/localise.py).
 
 Where it logs: ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the embedded store
 ``sqlite:///<report_dir>/mlflow.db`` with artifacts under ``<report_dir>/mlartifacts``.
