@@ -43,10 +43,12 @@ PREPARED_FIELDS = ("token_level_scores", "old_log_probs", "ref_log_probs", "valu
                    "token_level_rewards", "rollout_is_weights", "advantages", "returns")
 #: rows of the layer probe's micro-batch when the localisation names none
 DEFAULT_ROWS = 8
-#: a module output (or its gradient) with more elements is cut to its first rows (logits of a
-#: large vocabulary: B x S x V); the localisation then compares those rows only
-MAX_MODULE_ELEMENTS = 1 << 25
-#: record flat gradients/parameters only for models up to this many parameters
+#: elements kept over all hooked outputs (and as many again for their gradients): each module's
+#: share is cut to its first rows, then to its first positions (a large model's hidden states or
+#: a large vocabulary's logits); the localisation compares what both sides kept
+MAX_PROBE_ELEMENTS = 1 << 27
+#: gradients (flat, per optimizer step and in the layer probe) only for models up to this many
+#: parameters: gathering them whole on every rank is for test-sized models
 MAX_PARAMS = 5_000_000
 
 
@@ -79,10 +81,25 @@ def flat(tensors: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
     return torch.cat([tensors[n].detach().cpu().double().flatten() for n in names])
 
 
+def param_count(ctx) -> int:
+    """The model's parameter count, the same on every rank (megatron: from its HF config)."""
+    if is_megatron(ctx):
+        from rlaudit.backends.megatron.model import hf_model_spec
+        s = hf_model_spec(ctx.hf_config)
+        per_layer = 2 * s.hidden_size + s.hidden_size * s.head_dim * (
+            s.num_heads * 2 + s.num_kv_heads * 2) + 3 * s.hidden_size * s.ffn_hidden_size
+        heads = 1 if s.tied_embeddings else 2
+        return heads * s.vocab_size * s.hidden_size + s.num_layers * per_layer + s.hidden_size
+    return sum(p.numel() for p in ctx.model.parameters())
+
+
 def hf_grads(ctx) -> dict[str, torch.Tensor] | None:
     """The accumulated (DP-reduced) gradient of every parameter under HF names, on every rank
     (collective), or None when the engine does not hold whole gradients (megatron's distributed
-    optimizer with DP > 1 keeps only its shard after the reduce-scatter)."""
+    optimizer with DP > 1 keeps only its shard after the reduce-scatter) or the model is larger
+    than :data:`MAX_PARAMS`."""
+    if param_count(ctx) > MAX_PARAMS:
+        return None
     if is_megatron(ctx):
         from rlaudit.backends.megatron.probe import hf_grads as megatron_grads
         return megatron_grads(ctx)
@@ -119,9 +136,10 @@ class RecordingContext:
         return results
 
     def clip_and_step(self, max_norm: float) -> float:
-        grads = flat(hf_grads(self._inner))
+        small = param_count(self._inner) <= MAX_PARAMS
+        grads = flat(hf_grads(self._inner)) if small else None
         norm = self._inner.clip_and_step(max_norm)
-        params = flat(self._inner.full_parameters())
+        params = flat(self._inner.full_parameters()) if small else None
         if is_rank0():
             self._sink.append({**self._pending, "grads": grads, "grad_norm": float(norm),
                                "lr": float(self._inner.lr), "params": params})
@@ -164,21 +182,30 @@ def hf_module_names(model: torch.nn.Module) -> list[str]:
     return [n for n in names if n in have]
 
 
-def _cut(t: torch.Tensor, batch_dim: int) -> torch.Tensor:
-    if t.numel() <= MAX_MODULE_ELEMENTS or t.dim() <= batch_dim:
+def cut(t: torch.Tensor, batch_dim: int, seq_dim: int, cap: int) -> torch.Tensor:
+    """``t`` narrowed to at most ``cap`` elements: its first rows, and if one row is still too
+    large, its first positions (both sides of a comparison cut alike)."""
+    if t.numel() <= cap or t.dim() <= max(batch_dim, seq_dim):
         return t
     per_row = t.numel() // max(t.shape[batch_dim], 1)
-    return t.narrow(batch_dim, 0, max(1, MAX_MODULE_ELEMENTS // max(per_row, 1)))
+    t = t.narrow(batch_dim, 0, max(1, cap // max(per_row, 1)))
+    if t.numel() > cap:
+        per_pos = t.numel() // max(t.shape[seq_dim], 1)
+        t = t.narrow(seq_dim, 0, max(1, cap // max(per_pos, 1)))
+    return t
 
 
 class ModuleHooks:
     """Forward hooks on ``modules`` (name -> module) recording each output (the first tensor of a
-    tuple output) and, through a tensor hook, the gradient that reaches it."""
+    tuple output) and, through a tensor hook, the gradient that reaches it; each within its share
+    of :data:`MAX_PROBE_ELEMENTS`. ``batch_dim``: 0 for batch-first outputs, 1 for megatron's
+    sequence-first ones."""
 
     def __init__(self, modules: dict[str, torch.nn.Module], *, batch_dim: int = 0):
         self.outputs: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
-        self._batch_dim = batch_dim
+        self._dims = (batch_dim, 1 - batch_dim)
+        self._cap = max(1 << 16, MAX_PROBE_ELEMENTS // max(len(modules), 1))
         self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
 
     def _hook(self, name: str):
@@ -186,13 +213,13 @@ class ModuleHooks:
             t = output[0] if isinstance(output, (tuple, list)) else output
             if not isinstance(t, torch.Tensor):
                 return
-            self.outputs[name] = _cut(t.detach(), self._batch_dim).clone()
+            self.outputs[name] = cut(t.detach(), *self._dims, self._cap).clone()
             if t.requires_grad:
                 t.register_hook(partial(self._grad, name))
         return hook
 
     def _grad(self, name: str, grad: torch.Tensor) -> None:
-        self.grads[name] = _cut(grad.detach(), self._batch_dim).clone()
+        self.grads[name] = cut(grad.detach(), *self._dims, self._cap).clone()
 
     def remove(self) -> None:
         for h in self._handles:

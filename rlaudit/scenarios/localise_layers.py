@@ -26,15 +26,17 @@ WORST_TOKENS = 5
 
 
 def _pair(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor):
-    """Both tensors (cut to the rows both recorded) and the valid mask broadcast to them."""
+    """Both tensors (cut to the rows and positions both recorded: the probe cuts outputs of a
+    large model, rlaudit/backends/probe.py) and the valid mask broadcast to them."""
     n = min(got.shape[0], want.shape[0], valid.shape[0])
-    g, w, v = got[:n].double(), want[:n].double(), valid[:n]
+    s = min(got.shape[1], want.shape[1], valid.shape[1])
+    g, w, v = got[:n, :s].double(), want[:n, :s].double(), valid[:n, :s]
     v = v.view(*v.shape, *([1] * (w.dim() - 2))).expand_as(w)
     return g, w, v
 
 
 def _module_drift(got, want, valid, tol) -> dict:
-    if got.shape[1:] != want.shape[1:]:
+    if got.shape[2:] != want.shape[2:]:
         return {"max_abs": float("inf"), "scale": 0.0, "drift": float("inf"), "bound": 0.0,
                 "out": True, "note": f"shape {tuple(got.shape)} vs {tuple(want.shape)}"}
     g, w, v = _pair(got, want, valid)

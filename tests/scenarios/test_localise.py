@@ -275,3 +275,13 @@ def test_a_passing_scenario_runs_no_localisation(monkeypatch):
     res = engine.run_scenario(scn, backends=["reference"])
     assert res.passed and res.localisation == []
     assert "localisation" not in res.to_json()
+
+
+def test_probe_cuts_large_outputs_to_rows_then_positions_alike_on_both_layouts():
+    from rlaudit.backends.probe import cut
+    t = torch.arange(2 * 3 * 4).view(2, 3, 4)                 # [b, s, h]
+    assert cut(t, 0, 1, 24) is t
+    assert cut(t, 0, 1, 12).tolist() == t[:1].tolist()
+    assert cut(t, 0, 1, 8).tolist() == t[:1, :2].tolist()
+    sf = t.transpose(0, 1)                                     # megatron's [s, b, h]
+    assert cut(sf, 1, 0, 8).transpose(0, 1).tolist() == t[:1, :2].tolist()
