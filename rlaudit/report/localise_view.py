@@ -45,6 +45,12 @@ def _ranges_text(ranges) -> str:
     return (", " + ", ".join(parts)) if parts else ", everywhere"
 
 
+def _param_drift(c: dict) -> float | None:
+    """The largest drift of a module's parameter gradients (backward curves), or None."""
+    params = c.get("params") or []
+    return max(p["drift"] for p in params) if params else None
+
+
 def _layer_lines(layers: dict) -> list[str]:
     if layers.get("error"):
         return [f"model probe: {layers['error']}"]
@@ -65,8 +71,12 @@ def _layer_lines(layers: dict) -> list[str]:
         out.append(layers["note"])
     curve = layers.get("curve", [])
     if curve:
-        out.append(f"drift over depth ({direction}): " + " · ".join(
-            f"{short_module(c['module'])} {_num(c.get('drift'))}" for c in curve))
+        out.append(f"drift over depth ({direction}"
+                   + ("; gradient at the output [its parameters' gradients]"
+                      if direction == "backward" else "") + "): " + " · ".join(
+            f"{short_module(c['module'])} {_num(c.get('drift'))}"
+            + (f" [{_num(_param_drift(c))}]" if _param_drift(c) is not None else "")
+            for c in curve))
     if direction == "backward":
         first = next((c for c in curve if c["module"] == layers.get("module")), None)
         for p in (first or {}).get("params", []):
@@ -158,18 +168,26 @@ def drift_plot(res) -> bytes | None:
         floor = 1e-18  # exact agreement drawn at the floor of the log scale
         ys = [max(c["drift"], floor) for c in curve]
         colour = colours[i % len(colours)]
+        what = "gradient at each output" if layers["direction"] == "backward" else "outputs"
         ax.plot(range(len(ys)), ys, marker="o", ms=4, color=colour,
-                label=f"{e['backend']} vs {e.get('against', 'reference')} "
-                      f"({layers['direction']})")
+                label=f"{e['backend']} vs {e.get('against', 'reference')}: {what}")
         ax.plot(range(len(ys)), [max(c.get("bound") or floor, floor) for c in curve],
                 ls="--", lw=1, color=colour, alpha=0.6)
+        if layers["direction"] == "backward":  # parameters' gradients, where a module has any
+            pts = [(k, _param_drift(c)) for k, c in enumerate(curve)
+                   if _param_drift(c) is not None]
+            ax.plot([k for k, _ in pts], [max(d, floor) for _, d in pts], ls=":", marker="s",
+                    ms=4, mfc="none", color=colour,
+                    label=f"{e['backend']}: its parameters' gradients")
         if layers.get("module"):
             j = next((k for k, c in enumerate(curve) if c["module"] == layers["module"]), None)
             if j is not None:
-                ax.plot([j], [ys[j]], marker="x", ms=11, mew=2, color="#cf222e")
+                y = (_param_drift(curve[j]) if str(layers.get("what", "")).startswith("parameter")
+                     else ys[j])
+                ax.plot([j], [max(y or floor, floor)], marker="x", ms=11, mew=2, color="#cf222e")
     ax.set_yscale("log")
     ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("max |diff| / rms", fontsize=8)
+    ax.set_ylabel("max |diff| / rms (0 drawn at 1e-18)", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, frameon=False)
     ax.set_title(f"{res.scenario}: drift vs depth (dashed: tolerance; x: first module out)",
