@@ -45,8 +45,12 @@ _SOURCE = f"${ENV}"
 
 
 def from_env() -> str:
-    """The fault spec of this process (empty string when unset): ReplayRequest's default."""
-    return os.environ.get(ENV, "")
+    """The fault spec of this process (empty string when unset): ReplayRequest's default.
+    A malformed spec is an InputError here, in the process that builds the request."""
+    spec = os.environ.get(ENV, "")
+    if spec:
+        parse(spec)
+    return spec
 
 
 @dataclass(frozen=True)

@@ -285,3 +285,22 @@ def test_probe_cuts_large_outputs_to_rows_then_positions_alike_on_both_layouts()
     assert cut(t, 0, 1, 8).tolist() == t[:1, :2].tolist()
     sf = t.transpose(0, 1)                                     # megatron's [s, b, h]
     assert cut(sf, 1, 0, 8).transpose(0, 1).tolist() == t[:1, :2].tolist()
+
+
+def test_fault_specs_parse_and_apply_only_where_named(monkeypatch):
+    from rlaudit.backends import faults
+    from rlaudit.backends.base import ReplayRequest
+    from rlaudit.errors import InputError
+
+    spec = "fsdp/base:lr_scale:factor=2;megatron:rmsnorm_eps:layer=1,eps=1e-2"
+    assert [(f.backend, f.variant, f.kind) for f in faults.applying(spec, "fsdp", "base")] == \
+        [("fsdp", "base", "lr_scale")]
+    assert faults.applying(spec, "fsdp", "other") == []
+    assert [f.params for f in faults.applying(spec, "megatron", "x")] == [
+        {"layer": "1", "eps": "1e-2"}]
+    assert faults.applying("", "fsdp", "base") == []
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert ReplayRequest(model="m").faults == ""
+    monkeypatch.setenv(faults.ENV, "fsdp:nope")
+    with pytest.raises(InputError, match="KIND one of"):
+        ReplayRequest(model="m")
