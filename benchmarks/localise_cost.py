@@ -62,7 +62,8 @@ def main(argv=None) -> int:
           f"{spent['seconds']:.1f}s ({spent['calls']} call)")
     for e in faulty.localisation:
         probe = e.get("probe") or {}
-        print(f"  [{e['backend']}] {e.get('summary')}; probe re-runs {probe.get('seconds', 0):.1f}s")
+        print(f"  [{e['backend']}] {e.get('summary')}; "
+              f"probe re-runs {probe.get('seconds', 0):.1f}s")
     return 0
 
 

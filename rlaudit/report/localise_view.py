@@ -1,5 +1,5 @@
-"""Rendering the drift localisation (``ScenarioResult.localisation``, rlaudit/scenarios/localise.py):
-lines under a failing check in the console table, a section with the drift-vs-depth plot in the
+"""Rendering the drift localisation (``ScenarioResult.localisation``, see
+rlaudit/scenarios/localise.py): lines under a failing check in the console table, a section with the drift-vs-depth plot in the
 HTML and Markdown reports, and the JSON/PNG artifacts MLflow logs.
 
 Every function returns nothing (an empty list, None, "") for a result without localisation, so a
@@ -39,7 +39,8 @@ def _ranges_text(ranges) -> str:
     """", rows 128-255 of 256" for the dimensions not wholly out of tolerance."""
     if not ranges:
         return ""
-    dims = ("rows", "columns") if len(ranges) == 2 else tuple(f"dim {d}" for d in range(len(ranges)))
+    dims = (("rows", "columns") if len(ranges) == 2
+            else tuple(f"dim {d}" for d in range(len(ranges))))
     parts = [f"{dims[d]} {lo}-{hi} of {n}" for d, (lo, hi, n) in enumerate(ranges)
              if (lo, hi) != (0, n - 1)]
     return (", " + ", ".join(parts)) if parts else ", everywhere"

@@ -6,8 +6,9 @@ One spawned group per backend, in one test item each (so pytest-xdist cannot lau
 twice): the group replays one copy of the cheapest variant per fault (the fault keyed by the
 copy's name, the probe on), and the reference replays the same variant once in-process; then the
 two phases of rlaudit.scenarios.localise run on those runs exactly as the engine runs them after
-a failure. A last test runs the engine itself on a failing scenario. Expectations come from the fault, not from the code under
-test: the layer the fault is in, the TP shard it touches, the learning-rate factor.
+a failure. A last test runs the engine itself on a failing scenario. Expectations come from the
+fault, not from the code under test: the layer the fault is in, the TP shard it touches, the
+learning-rate factor.
 
 Model: qwen2-tiny-short (2 decoder layers, intermediate 256, float64); 8 rows, one step, one
 optimizer step (mini-batch = the batch).
@@ -135,7 +136,7 @@ def check_wrong_learning_rate_is_named_as_the_parameter_update(run):
     assert entry["update"]["p10"] == pytest.approx(LR_FACTOR, rel=1e-6)
 
 
-# ---- Megatron (TP=2): RMSNorm epsilon in layer 1, a gradient scaled on one TP shard ---------------
+# ---- Megatron (TP=2): RMSNorm epsilon in layer 1, a gradient scaled on one TP shard -------------
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed "
                     "(pip install rlaudit[megatron])")

@@ -9,7 +9,6 @@ import pytest
 
 import broken_adapters as broken
 from examples.toy_trainer import trainer as toy
-from examples.toy_trainer.adapter import ToyAdapter
 from rlaudit.targets import builtin
 from rlaudit.targets.runner import run_target_scenario
 
