@@ -199,7 +199,9 @@ def first_divergence_in_runs(scn, got: VariantRun, want: VariantRun, mask: torch
     step, stage = min(placed, key=lambda k: (k[0], STAGES.index(k[1])))
     seen = _stages_compared(got, want, step)
     agreed = [s for s in STAGES[:STAGES.index(stage)] if s in seen]
-    return StageReport(step, stage, placed[(step, stage)], agreed, structural=structural)
+    # per-token tensors (they name the worst rows and tokens) before the metrics they feed
+    found = sorted(placed[(step, stage)], key=lambda d: not d.worst)
+    return StageReport(step, stage, found, agreed, structural=structural)
 
 
 def _placed(f: dict) -> Divergence | None:
