@@ -95,6 +95,10 @@ class DistillConfig:
 class ActorConfig:
     loss_mode: str = "vanilla"
     """Policy loss: vanilla (PPO clip, asymmetric + dual clip), gspo, cispo."""
+    gspo_gradient: Literal["per-token", "sequence"] = "per-token"
+    """gspo: GSPO-token's gradient (each token's term differentiates its own log-prob: verl,
+    rlaudit) or GSPO's sequence-level one (through the sequence mean: slime, TRL; a declarable
+    convention). Same values either way."""
     loss_agg_mode: str = "token-mean"
     """token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     loss_scale_factor: float | None = None

@@ -64,14 +64,15 @@ class ReferenceAdapter(TargetAdapter):
 
     def policy_loss(self, *, old_log_prob, log_prob, advantages, response_mask, loss_mode,
                     loss_agg_mode, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-                    denominators=None):
+                    denominators=None, gspo_gradient="per-token"):
         """The actor's policy-gradient term as rlaudit.update.actor assembles it: the loss
         aggregated with ``loss_agg_mode`` and the clip/KL metrics as token-means, all divided by
-        ``denominators`` when given (micro-batch contributions)."""
+        ``denominators`` when given (micro-batch contributions). ``gspo_gradient``: the
+        convention of that name (rlaudit.algo.policy_loss)."""
         pol = compute_policy_loss(loss_mode, old_log_prob=old_log_prob, log_prob=log_prob,
                                   advantages=advantages, mask=response_mask,
                                   clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                  clip_ratio_c=clip_ratio_c)
+                                  clip_ratio_c=clip_ratio_c, gspo_gradient=gspo_gradient)
         loss = agg_loss(pol.loss_mat, response_mask, loss_agg_mode, denominators)
         tok = partial(agg_loss, mask=response_mask, mode="token-mean", denom=denominators)
         dtype = log_prob.dtype
