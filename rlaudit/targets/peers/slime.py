@@ -99,12 +99,6 @@ def _token_normaliser_cases() -> tuple[str, ...]:
         f"{lab} on ragged:" for lab in labels)
 
 
-def _gspo_gradient_cases() -> tuple[str, ...]:
-    from rlaudit.targets.loss_checks import CLIP_SETTINGS
-    return tuple(f"gspo/{agg} clip={clip} gradient" for agg in AGG_MODES
-                 for clip in CLIP_SETTINGS)
-
-
 class SlimeAdapter(TargetAdapter):
     """slime's KL-in-reward (stored KL), KL estimators and policy losses."""
 
@@ -136,11 +130,10 @@ class SlimeAdapter(TargetAdapter):
             "gspo-sequence-level-gradient",
             reason="GSPO's ratio is exp of the sequence's mean log-ratio with the gradient "
                    "flowing through that mean (GSPO, eq. 7), so each token's term moves every "
-                   "token of its row; rlaudit's reference is GSPO-token (verl), whose gradient "
-                   "is the same when a row's advantages are equal (outcome advantages)",
+                   "token of its row; verl's is GSPO-token (the same when a row's advantages "
+                   "are equal)",
             link=f"{_SRC}/slime/utils/ppo_utils.py (compute_gspo_kl)",
-            checks=("policy_loss:parity", "policy_loss:global-split"),
-            cases=_gspo_gradient_cases()),
+            checks=("policy_loss:*",), convention={"gspo_gradient": "sequence"}),
     )
 
     # ---- KL in reward --------------------------------------------------------------------

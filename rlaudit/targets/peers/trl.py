@@ -259,9 +259,10 @@ class TRLAdapter(TargetAdapter):
             "seq-mean-token-sum only with loss_mode gspo (TRL's luspo)":
                 a.loss_agg_mode == "seq-mean-token-sum" and a.loss_mode != "gspo",
             # TRL's KL term (beta) is k3 = exp(ref - logp) - (ref - logp) - 1 without verl's and
-            # rlaudit's clamps (log-ratio at +-20, value at 10), which no reference convention
-            # computes; with it TRL's logged loss is no longer the policy loss alone, and with
-            # beta = 0 TRL computes no KL at all
+            # rlaudit's clamps (log-ratio at +-20, value at 10), times the differentiable
+            # importance ratio by default (use_bias_correction_kl): no reference convention
+            # computes either; with it TRL's logged loss is no longer the policy loss alone, and
+            # with beta = 0 TRL computes no KL at all
             f"use_kl_loss (TRL's KL term is k3 without the clamp of its value at 10: "
             f"{kl_link(self.version)})": a.use_kl_loss,
             "KL in reward": alg.use_kl_in_reward,
@@ -408,10 +409,10 @@ class TRLAdapter(TargetAdapter):
 #: line numbers of the cited code in grpo_trainer.py at each pinned tag
 _LINES = {"1.16.0": {"eps": 2787, "grpo": 3154, "dr_grpo": 3164, "dapo": 3170, "luspo": 3179,
                      "entropy_bonus": 3199, "metric": 3259, "num_items": 2498,
-                     "advantages": 2785, "kl": 3100},
+                     "advantages": 2785, "kl": 3100, "sequence": 3087},
           "1.14.2": {"eps": 2853, "grpo": 3225, "dr_grpo": 3235, "dapo": 3241, "luspo": 3250,
                      "entropy_bonus": 3270, "metric": 3330, "num_items": 2560,
-                     "advantages": 2851, "kl": 3171}}
+                     "advantages": 2851, "kl": 3171, "sequence": 3158}}
 
 
 #: TRL's deliberate choices that rlaudit's reference computes too, declared as conventions:
@@ -432,6 +433,10 @@ CONVENTIONS = (
      "batch's trained tokens) x gradient_accumulation_steps / steps_per_generation: the batch's "
      "tokens / its mini-batches, not the optimizer step's own token count",
      "dapo", {"token_denominator": "batch-mean"}),
+    ("trl-gspo-sequence-gradient",
+     "importance_sampling_level='sequence' (GSPO) takes exp of the sequence's mean log-ratio "
+     "and differentiates through that mean (GSPO's sequence-level objective), not per token "
+     "(GSPO-token, verl)", "sequence", {"gspo_gradient": "sequence"}),
 )
 
 

@@ -37,11 +37,11 @@ def test_slime_after_2114_passes(tmp_path):
     assert got["kl_penalty:parity"] == "pass"
     assert got["policy_loss:masked-values"] == "pass"
     # declared, without a reference convention: the per-token normaliser counting an empty
-    # sample as one token (token-mean, ragged) and GSPO's sequence-level gradient; the
-    # per-sample mean over every sample is the seq_count convention (strict)
+    # sample as one token (token-mean, ragged); the per-sample mean over every sample
+    # (seq_count) and GSPO's sequence-level gradient (gspo_gradient) are conventions: strict
     assert got["policy_loss:parity"] == "differs"
     assert set(checks["policy_loss:parity"]["details"]["differences"]) == {
-        "per-token-normaliser-counts-empty-samples", "gspo-sequence-level-gradient"}
+        "per-token-normaliser-counts-empty-samples"}
     assert set(checks["policy_loss:global-split"]["details"]["differences"]) == {
         "per-token-normaliser-counts-empty-samples"}
 
