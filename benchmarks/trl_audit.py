@@ -4,8 +4,9 @@ scenario family (scenarios/trl_*.yaml), every invariant, TRL and the reference b
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/trl_audit.py [VERSION]   # e.g. 1.16.0
 
 Prints the time per scenario, the total (TRL's import included), the per-invariant results
-for TRL and any reference-column result that is not a pass or n/a. Exit 1 on any failure. One intra-op thread: the models are tiny, and two threads on a shared 2-core box are
-~100x slower per matmul (measured: 15 ms vs 0.12 ms for a [2, 11, 128] x [128, 256] linear).
+for TRL and any reference-column result that is not a pass or n/a. Exit 1 on any failure.
+One intra-op thread: the models are tiny, and two threads on a shared 2-core box are ~100x
+slower per matmul (measured: 15 ms vs 0.12 ms for a [2, 11, 128] x [128, 256] linear).
 """
 
 from __future__ import annotations
