@@ -7,6 +7,7 @@ broken ToyTrainer is caught by the invariant made for its bug, and not by an unr
 from __future__ import annotations
 
 import pytest
+import torch
 
 import broken_adapters as broken
 from examples.toy_trainer.adapter import ToyAdapter
@@ -122,3 +123,25 @@ def test_train_step_metrics_are_copies(tiny_model):
     mut = {c.invariant: c for c in run_stage_checks(broken.MutatesInputBatch(), stages=stages,
                                                     model_path=tiny_model).checks}
     assert mut["train_step:no-input-mutation"].status == FAIL
+
+
+class MinusOneUnderMask(ReferenceAdapter):
+    """A correct trainer that leaves -1 in its per-token entropy where the mask is False."""
+
+    name = "minus-one-under-mask"
+
+    def replay(self, request):
+        runs = super().replay(request)
+        for v in request.variants:
+            ent = runs[v.name].tokens["probe_entropy"]
+            runs[v.name].tokens["probe_entropy"] = torch.where(v.batch.mask, ent, -1.0)
+        return runs
+
+
+def test_values_under_a_variants_own_mask_are_not_read(tiny_model, builtin_rollout):
+    """Issue #12 item 1: sanity-bounds read the permuted and widened variants' entropy under the
+    baseline's mask, so -1 left under a correct trainer's own mask was a false alarm."""
+    invariants = ["sanity-bounds", "row-permutation", "padding-appended"]
+    res, mine = run(MinusOneUnderMask(), tiny_model, builtin_rollout, invariants)
+    assert {k: c.status for k, c in mine.items()} == {k: PASS for k in invariants}, [
+        c.message for c in mine.values()]

@@ -51,7 +51,7 @@ def on_policy_identities(ctx: CheckContext):
     out = []
     scn = ctx.scenario
     cfg = _cfg(ctx, "onpolicy")
-    mask = ctx.batch.mask
+    mask = ctx.mask("onpolicy")
     for b in ctx.backends():
         runs, na = ctx.need("on-policy-identities", b, "onpolicy")
         if na:
@@ -113,7 +113,6 @@ def config_effect(ctx: CheckContext):
     compared across backends by backend-parity, so a flag one backend ignores shows up twice."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
     names = ["cfg:entropy0", "cfg:entropy", "cfg:kl0", "cfg:kl"] + [f"cfg:agg:{m}" for m in AGG_MODES]
     for b in ctx.backends():
         problems = []
@@ -139,7 +138,8 @@ def config_effect(ctx: CheckContext):
                                 f"expected loss(coef 0) + 0.5 * kl_loss = {want:.10g}")
         for mode in AGG_MODES:
             run = ctx.run(b, f"cfg:agg:{mode}")
-            want = expected_pg_loss(run, mask, _cfg(ctx, f"cfg:agg:{mode}"))
+            want = expected_pg_loss(run, ctx.mask(f"cfg:agg:{mode}"),
+                                    _cfg(ctx, f"cfg:agg:{mode}"))
             got = run.steps[0]["actor/pg_loss"]
             if not scn.tol("actor/pg_loss").close(got, want):
                 problems.append(f"loss_agg_mode {mode}: pg_loss = {got:.10g}, expected "

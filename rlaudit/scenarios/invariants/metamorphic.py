@@ -30,7 +30,9 @@ def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, 
             out.append(na)
             continue
         got, want = runs
-        c = compare_runs(ctx.scenario, got, want, mask=ctx.batch.mask, label=label, **kw)
+        # ``want`` is the baseline: its rows, widths and mask are the ones compared on (row_map
+        # and width map ``got`` onto them)
+        c = compare_runs(ctx.scenario, got, want, mask=ctx.mask(base), label=label, **kw)
         out.append(result(name, b, c.ok, c.message, c.details, c.drift))
     return out
 
@@ -80,7 +82,8 @@ def batch_invariance(ctx: CheckContext):
             out.append(na)
             continue
         one, whole = runs
-        c = compare_runs(ctx.scenario, one, whole, mask=ctx.batch.mask, metrics=[], params=False,
+        c = compare_runs(ctx.scenario, one, whole, mask=ctx.mask("microbatch:all"), metrics=[],
+                         params=False,
                          tokens=("probe_log_probs", "probe_entropy", "old_log_probs"),
                          metric_names_equal=False, label="1 row vs all rows per micro-batch")
         out.append(result("batch-invariance", b, c.ok, c.message, c.details, c.drift))

@@ -38,7 +38,7 @@ def entropy_logged(ctx: CheckContext):
     optimised)."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
+    mask = ctx.mask("entropy:calc")
     for b in ctx.backends():
         runs, na = ctx.need("entropy-logged-when-coeff-zero", b, "entropy:calc", "entropy:off")
         if na:
@@ -86,7 +86,8 @@ def stored_kl_unaltered(ctx: CheckContext):
     building the shaped reward in an aliased tensor)."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
+    mask = ctx.mask("kl-in-reward")
+    batch = ctx.batch_of("kl-in-reward")
     alg = scn.config.algorithm
     for b in ctx.backends():
         runs, na = ctx.need("stored-kl-unaltered", b, "kl-in-reward")
@@ -111,8 +112,8 @@ def stored_kl_unaltered(ctx: CheckContext):
             problems.append("rollout/kl is not logged")
         elif not scn.tol("rollout/kl").close(got_mean, want_mean):
             problems.append(f"rollout/kl = {got_mean:.10g}, recomputed KL mean {want_mean:.10g}")
-        seq, _ = sequence_scores(ctx.batch, run_cfg(ctx, "kl-in-reward"))
-        scores = place_scores(seq, ctx.batch["response_lengths"], ctx.batch.response_width).double()
+        seq, _ = sequence_scores(batch, run_cfg(ctx, "kl-in-reward"))
+        scores = place_scores(seq, batch["response_lengths"], batch.response_width).double()
         rewards = scores - alg.kl_coef * kl
         ok, msg, _ = compare_tensors("token_level_rewards", t["token_level_rewards"], rewards,
                                      scn.tol("token_level_rewards"), mask)
@@ -172,7 +173,7 @@ def padding_complete(ctx: CheckContext):
         if not seen_padding and extra.micro_log:
             problems.append("no padding micro-batch was run although two were requested per "
                             "optimizer step")
-        same = compare_runs(scn, extra, none_, mask=ctx.batch.mask,
+        same = compare_runs(scn, extra, none_, mask=ctx.mask("padding:none"),
                             label="with 2 padding micro-batches vs none")
         if not same.ok:
             problems.append(same.message)
