@@ -65,11 +65,18 @@ class AlgorithmConfig:
 class RolloutCorrectionConfig:
     """Train-vs-rollout mismatch handling (the sampling engine's log-probs vs the trainer's)."""
 
-    rollout_is: Literal["token", "sequence"] | None = None
-    """Importance weights exp(old_log_probs - rollout_log_probs) per token, or per sequence
-    (product over its tokens); None = off."""
+    rollout_is: Literal["token", "sequence", "geometric"] | None = None
+    """Importance weights exp(old_log_probs - rollout_log_probs) per token, per sequence (the
+    product over its tokens) or per sequence as their geometric mean (exp of the length-normalised
+    log-ratio sum); None = off. verl 0.6.1+ ``rollout_is`` (token, sequence); geometric is verl
+    0.6.0's ``rollout_is_level: geometric`` (later verl keeps it for rejection sampling only)."""
     rollout_is_threshold: float = 2.0
-    """Truncate weights above this (TIS)."""
+    """Upper bound of the weights: truncated to it (TIS) or masked above it (MIS)."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: min(w, threshold) (TIS, verl's only mode since 0.6.1); mask: w = 0 outside
+    [rollout_is_threshold_lower, rollout_is_threshold] (verl 0.6.0's ``rollout_is_mode``)."""
+    rollout_is_threshold_lower: float | None = None
+    """Lower bound of mask mode; None = 1 / rollout_is_threshold (verl's default)."""
     use_rollout_kl_loss: bool = False
     """Add a penalty on current-vs-rollout log-prob drift (SkyRL's rollout KL loss)."""
     rollout_kl_loss_coef: float = 0.001
@@ -352,6 +359,15 @@ def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> Non
             bad(key, f"must be >= 0, got {v}")
     if act.loss_scale_factor is not None and act.loss_scale_factor <= 0:
         bad("actor.loss_scale_factor", f"must be > 0, got {act.loss_scale_factor}")
+    rc = act.rollout_correction
+    if rc.rollout_is_threshold <= 0:
+        bad("actor.rollout_correction.rollout_is_threshold",
+            f"must be > 0, got {rc.rollout_is_threshold}")
+    if rc.rollout_is_threshold_lower is not None and not (
+            0 < rc.rollout_is_threshold_lower <= rc.rollout_is_threshold):
+        bad("actor.rollout_correction.rollout_is_threshold_lower",
+            f"must be in (0, rollout_is_threshold = {rc.rollout_is_threshold}], got "
+            f"{rc.rollout_is_threshold_lower}")
     if a.gamma < 0 or a.gamma > 1 or a.lam < 0 or a.lam > 1:
         bad("algorithm.gamma", "gamma and lam must be in [0, 1]")
     if cfg.data.gen_batch_size is not None and cfg.data.gen_batch_size < cfg.data.train_batch_size:

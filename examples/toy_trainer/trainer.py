@@ -52,6 +52,10 @@ class ToyConfig:
     epochs: int = 1
     grad_clip: float = 1.0
     temperature: float = 1.0
+    rollout_is: str | None = None       # token | sequence | geometric: importance weights
+    rollout_is_threshold: float = 2.0   # pi_train / pi_rollout of the sampler's log-probs
+    rollout_is_mode: str = "truncate"   # truncate (cap) | mask (0 outside [lower, threshold])
+    rollout_is_threshold_lower: float | None = None
 
 
 # ---- algorithms --------------------------------------------------------------------------------
@@ -82,6 +86,27 @@ def kl_penalty(logp, ref_logp, kind):
     raise NotImplementedError(f"kl penalty {kind}")
 
 
+def importance_weights(old_logp, rollout_logp, mask, cfg):
+    """Rollout importance weights (verl's rollout correction): per token exp(old - rollout), per
+    sequence the product of a row's token ratios, or their geometric mean; capped at the
+    threshold (truncate) or zeroed outside [lower, threshold] (mask); 0 past the response."""
+    log_ratio = (old_logp - rollout_logp) * mask
+    if cfg.rollout_is == "token":
+        log_w = log_ratio
+    else:
+        row = log_ratio.sum(-1, keepdim=True)
+        if cfg.rollout_is == "geometric":
+            row = row / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_w = row.expand_as(log_ratio)
+    w = torch.exp(log_w.clamp(-20, 20))
+    if cfg.rollout_is_mode == "truncate":
+        w = w.clamp(max=cfg.rollout_is_threshold)
+    else:
+        lower = cfg.rollout_is_threshold_lower or 1.0 / cfg.rollout_is_threshold
+        w = w * ((w >= lower) & (w <= cfg.rollout_is_threshold))
+    return w * mask
+
+
 def aggregate(loss_mat, mask, mode, *, num_tokens, num_seqs, norm_len):
     """Sum this micro-batch's share and divide by the *mini-batch's* counts (so the micro-batch
     results add up to the mini-batch value)."""
@@ -98,9 +123,10 @@ def aggregate(loss_mat, mask, mode, *, num_tokens, num_seqs, norm_len):
     raise NotImplementedError(f"loss_agg_mode {mode}")
 
 
-def ppo_loss(old_logp, logp, advantages, mask, cfg, counts):
-    """Dual-clip PPO per token; returns (aggregated loss, {clipfrac, clipfrac_lower, ppo_kl}) with
-    the metrics as this micro-batch's share of token-means over the mini-batch."""
+def ppo_loss(old_logp, logp, advantages, mask, cfg, counts, weights=None):
+    """Dual-clip PPO per token (times the rollout importance weights, if given); returns
+    (aggregated loss, {clipfrac, clipfrac_lower, ppo_kl}) with the metrics as this micro-batch's
+    share of token-means over the mini-batch."""
     log_ratio = (logp - old_logp).clamp(-20, 20)
     ratio = torch.exp(log_ratio)
     l1 = -advantages * ratio
@@ -108,6 +134,8 @@ def ppo_loss(old_logp, logp, advantages, mask, cfg, counts):
     clipped = torch.maximum(l1, l2)
     dual = torch.minimum(clipped, -advantages * cfg.clip_c)
     loss_mat = torch.where(advantages < 0, dual, clipped)
+    if weights is not None:
+        loss_mat = loss_mat * weights
     n_tok = max(counts["tokens"], 1)
     stats = {"pg_clipfrac": ((l2 > l1).double() * mask).sum() / n_tok,
              "pg_clipfrac_lower": (((clipped > -advantages * cfg.clip_c) & (advantages < 0))
@@ -228,6 +256,10 @@ class ToyTrainer:
             data["token_level_rewards"] = data["token_level_scores"]
         data["advantages"] = grpo_advantages(data["token_level_rewards"], mask, data["index"],
                                              cfg.norm_adv_by_std)
+        if cfg.rollout_is is not None:
+            data["rollout_is_weights"] = self.importance_weights(data)
+            metrics["is_weight_mean"] = float((data["rollout_is_weights"] * mask).sum()
+                                              / mask.sum().clamp(min=1))
         metrics.update(self.update(data))
         metrics["score_mean"] = float(data["token_level_scores"].sum(-1).mean())
         metrics["adv_mean"] = float((data["advantages"] * mask).sum() / mask.sum().clamp(min=1))
@@ -264,6 +296,10 @@ class ToyTrainer:
         return {k: sum(v) / len(v) for k, v in per_step.items()}
 
     # ---- policies a trainer might change --------------------------------------------------------
+    def importance_weights(self, data):
+        return importance_weights(data["old_log_probs"], data["rollout_log_probs"],
+                                  data["response_mask"], self.cfg)
+
     def wants_entropy(self):
         """Entropy is computed (and logged) when it is asked for or when it is in the loss."""
         return self.cfg.calculate_entropy or self.cfg.entropy_coeff != 0
@@ -280,7 +316,8 @@ class ToyTrainer:
     def micro_step(self, mb, counts, with_entropy):
         cfg, mask = self.cfg, mb["response_mask"]
         logp, ent = self.forward(self.model, mb, with_entropy)
-        loss, stats = ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mask, cfg, counts)
+        loss, stats = ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mask, cfg, counts,
+                               mb.get("rollout_is_weights"))
         stats["pg_loss"] = loss.detach()
         if with_entropy:
             entropy = aggregate(ent, mask, cfg.loss_agg_mode, num_tokens=counts["tokens"],

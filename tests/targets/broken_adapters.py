@@ -269,6 +269,28 @@ class _ClampsScoresInPlace(toy.ToyTrainer):
         return super().step(data)
 
 
+class _SequenceISFromMeanLogRatio(toy.ToyTrainer):
+    def importance_weights(self, data):      # "sequence" weight from the mean log-ratio
+        if self.cfg.rollout_is != "sequence":
+            return super().importance_weights(data)
+        mask = data["response_mask"]
+        log_ratio = (data["old_log_probs"] - data["rollout_log_probs"]) * mask
+        row = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        w = torch.exp(row.clamp(-20, 20)).clamp(max=self.cfg.rollout_is_threshold)
+        return w.expand_as(log_ratio) * mask
+
+
+class _SequenceISPerToken(toy.ToyTrainer):
+    def importance_weights(self, data):      # "sequence" computed with token ratios
+        if self.cfg.rollout_is == "sequence":
+            self.cfg.rollout_is = "token"
+            try:
+                return super().importance_weights(data)
+            finally:
+                self.cfg.rollout_is = "sequence"
+        return super().importance_weights(data)
+
+
 def toy_with(trainer_class, name: str) -> type:
     """A ToyAdapter subclass that runs ``trainer_class``."""
     return type(f"Toy_{name}", (ToyAdapter,), {"trainer_class": trainer_class, "name": name})
@@ -284,6 +306,8 @@ IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
+SequenceISFromMean = toy_with(_SequenceISFromMeanLogRatio, "sequence-is-from-mean")
+SequenceISPerToken = toy_with(_SequenceISPerToken, "sequence-is-per-token")
 
 
 class MetricsOnly(ToyAdapter):

@@ -60,7 +60,8 @@ ROLLOUT_TOLERANCES = {"vllm": Tolerance(0.0, 5e-3), "reference": Tolerance(0.0, 
 @invariant("rollout-parity", "rollout")
 def rollout_parity(ctx: CheckContext):
     """The sampling engine's log-probs (``rollout_log_probs``, recorded with the rollout) match
-    the trainer's recomputation with the same weights and temperature on every valid token:
+    the trainer's recomputation with the same weights and temperature on every valid token (n/a
+    when the rollout's sidecar names another model snapshot: an off-policy rollout):
     a mismatch means the engine and trainer disagree about the policy (temperature applied twice,
     wrong logprobs mode, different weights, numerics)."""
     out = []
@@ -69,6 +70,13 @@ def rollout_parity(ctx: CheckContext):
                 for b in ctx.backends()]
     engine = str(ctx.batch.meta.get("engine", "reference"))
     scn = ctx.scenario
+    sampled_by = ctx.batch.meta.get("model_snapshot_id")
+    if sampled_by and scn.model is not None:
+        from rlaudit.model.load import snapshot_id
+        if snapshot_id(scn.model) != sampled_by:
+            why = (f"the rollout was sampled by another snapshot ({ctx.batch.meta.get('model')}, "
+                   f"id {sampled_by}) than the scenario's model: off-policy by design")
+            return [not_applicable("rollout-parity", b, why) for b in ctx.backends()]
     tol = (scn.tolerances.get("rollout_log_probs")
            or ROLLOUT_TOLERANCES.get(engine, ROLLOUT_TOLERANCES["vllm"]))
     for b in ctx.backends():
