@@ -126,6 +126,11 @@ class ActorConfig:
     """Token budget (prompt + response tokens) of one micro-batch when use_dynamic_bsz."""
     ppo_epochs: int = 1
     shuffle: bool = False
+    context_parallel_size: int = 1
+    """Context-parallel ranks each sequence's tokens are divided over in the actor update (verl:
+    ``actor.megatron.context_parallel_size``). rlaudit's backends simulate the CP group in the
+    shared update step (load-balanced 2*cp chunk split, partial gradients summed over the group,
+    rlaudit/update/context_parallel.py); the result must not depend on it."""
     grad_clip: float = 1.0
     """Clip the global grad norm to this; <= 0 disables clipping (the norm is still logged)."""
     logprob_chunk_size: int = 256
@@ -338,6 +343,7 @@ def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> Non
                    ("actor.ppo_epochs", act.ppo_epochs),
                    ("actor.ppo_max_token_len_per_gpu", act.ppo_max_token_len_per_gpu),
                    ("actor.logprob_chunk_size", act.logprob_chunk_size),
+                   ("actor.context_parallel_size", act.context_parallel_size),
                    ("critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu),
                    ("critic.ppo_epochs", cfg.critic.ppo_epochs),
                    ("rollout.n", cfg.rollout.n), ("rollout.response_length", cfg.rollout.response_length),

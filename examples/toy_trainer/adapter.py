@@ -91,7 +91,8 @@ def toy_config(config, rows: int) -> toy.ToyConfig:
         rollout_is=a.rollout_correction.rollout_is,
         rollout_is_threshold=a.rollout_correction.rollout_is_threshold,
         rollout_is_mode=a.rollout_correction.rollout_is_mode,
-        rollout_is_threshold_lower=a.rollout_correction.rollout_is_threshold_lower)
+        rollout_is_threshold_lower=a.rollout_correction.rollout_is_threshold_lower,
+        cp_size=a.context_parallel_size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -114,6 +115,7 @@ class ToyAdapter(TargetAdapter):
     kl_estimators = ("kl", "low_var_kl")
     loss_modes = ("vanilla",)
     metric_names = tuple(METRICS.values())    # parity expects these whenever rlaudit logs them
+    layout = {"cp": 2}                        # ToyTrainer can split sequences over 2 CP ranks
     trainer_class = toy.ToyTrainer            # tests swap in broken trainers
 
     def supports(self, config):

@@ -56,6 +56,7 @@ class ToyConfig:
     rollout_is_threshold: float = 2.0   # pi_train / pi_rollout of the sampler's log-probs
     rollout_is_mode: str = "truncate"   # truncate (cap) | mask (0 outside [lower, threshold])
     rollout_is_threshold_lower: float | None = None
+    cp_size: int = 1                    # context-parallel ranks each sequence is split over
 
 
 # ---- algorithms --------------------------------------------------------------------------------
@@ -107,13 +108,15 @@ def importance_weights(old_logp, rollout_logp, mask, cfg):
     return w * mask
 
 
-def aggregate(loss_mat, mask, mode, *, num_tokens, num_seqs, norm_len):
+def aggregate(loss_mat, mask, mode, *, num_tokens, num_seqs, norm_len, row_tokens=None):
     """Sum this micro-batch's share and divide by the *mini-batch's* counts (so the micro-batch
-    results add up to the mini-batch value)."""
+    results add up to the mini-batch value). ``row_tokens``: each row's token count when
+    ``mask`` holds only part of the row (a context-parallel rank's share)."""
     if mode == "token-mean":
         return (loss_mat * mask).sum() / max(num_tokens, 1)
     if mode == "seq-mean-token-mean":
-        per_row = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        n = mask.sum(-1) if row_tokens is None else row_tokens
+        per_row = (loss_mat * mask).sum(-1) / n.clamp(min=1)
         return per_row.sum() / max(num_seqs, 1)
     row_sums = (loss_mat * mask).sum()
     if mode == "seq-mean-token-sum":
@@ -142,7 +145,22 @@ def ppo_loss(old_logp, logp, advantages, mask, cfg, counts, weights=None):
                                    .double() * mask).sum() / n_tok,
              "ppo_kl": (-log_ratio.detach() * mask).sum() / n_tok}
     return aggregate(loss_mat, mask, cfg.loss_agg_mode, num_tokens=counts["tokens"],
-                     num_seqs=counts["seqs"], norm_len=counts["norm_len"]), stats
+                     num_seqs=counts["seqs"], norm_len=counts["norm_len"],
+                     row_tokens=counts.get("row_tokens")), stats
+
+
+def cp_ranks(data, cp):
+    """``[b, R]``: the context-parallel rank holding each response token's logit. Each row's
+    tokens (prompt + response, without padding) are padded to a multiple of 2 * cp and cut into
+    2 * cp chunks; rank r holds chunks r and 2 * cp - 1 - r (the load-balanced split of Megatron
+    and verl). Response token t is predicted at position prompt_length - 1 + t."""
+    width = data["responses"].shape[1]
+    attn = data["attention_mask"]
+    prompt_len = attn[:, :-width].sum(-1, keepdim=True)
+    length = attn.sum(-1, keepdim=True)
+    chunk_len = ((length + 2 * cp - 1) // (2 * cp)).clamp(min=1)
+    chunk = (prompt_len - 1 + torch.arange(width).unsqueeze(0)) // chunk_len
+    return torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
 
 
 # ---- batching ----------------------------------------------------------------------------------
@@ -314,24 +332,53 @@ class ToyTrainer:
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def micro_step(self, mb, counts, with_entropy):
-        cfg, mask = self.cfg, mb["response_mask"]
         logp, ent = self.forward(self.model, mb, with_entropy)
+        if self.cfg.cp_size == 1:
+            loss, stats = self.loss_terms(mb, logp, ent, mb["response_mask"], counts,
+                                          with_entropy)
+        else:
+            loss, stats = self.context_parallel_loss(mb, logp, ent, counts, with_entropy)
+        loss.backward()
+        return stats
+
+    def loss_terms(self, mb, logp, ent, mask, counts, with_entropy):
+        """The loss of the tokens under ``mask`` and its metrics (shares of mini-batch values)."""
+        cfg = self.cfg
+        agg = dict(num_tokens=counts["tokens"], num_seqs=counts["seqs"],
+                   norm_len=counts["norm_len"], row_tokens=counts.get("row_tokens"))
         loss, stats = ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mask, cfg, counts,
                                mb.get("rollout_is_weights"))
         stats["pg_loss"] = loss.detach()
         if with_entropy:
-            entropy = aggregate(ent, mask, cfg.loss_agg_mode, num_tokens=counts["tokens"],
-                                num_seqs=counts["seqs"], norm_len=counts["norm_len"])
+            entropy = aggregate(ent, mask, cfg.loss_agg_mode, **agg)
             stats["entropy"] = entropy.detach()
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * entropy
         if cfg.use_kl_loss:
             ref = torch.where(mask > 0, mb["ref_log_probs"], logp.detach())
             kl = aggregate(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode,
-                           num_tokens=counts["tokens"], num_seqs=counts["seqs"],
-                           norm_len=counts["norm_len"])
+                           **agg)
             stats["kl_loss"] = kl.detach()
             loss = loss + cfg.kl_loss_coef * kl
         stats["loss"] = loss.detach()
-        loss.backward()
-        return stats
+        return loss, stats
+
+    def context_parallel_loss(self, mb, logp, ent, counts, with_entropy):
+        """Megatron-style context parallelism, simulated: each CP rank sums the loss terms of the
+        response tokens it holds (divided by the mini-batch's counts; a row's token count is the
+        whole row's), and the CP group all-reduces the partial losses and metrics."""
+        cp, mask = self.cfg.cp_size, mb["response_mask"]
+        ranks = cp_ranks(mb, cp)
+        counts = {**counts, "row_tokens": mask.sum(-1)}
+        parts = [self.loss_terms(mb, logp, ent, mask * (ranks == r), counts, with_entropy)
+                 for r in range(cp)]
+        loss = self.cp_all_reduce([p[0] for p in parts])
+        stats = {k: self.cp_all_reduce_metric([p[1][k] for p in parts]) for k in parts[0][1]}
+        return loss, stats
+
+    def cp_all_reduce(self, partial_losses):
+        """Sum over the CP group (the gradient of each rank's share adds up)."""
+        return sum(partial_losses[1:], partial_losses[0])
+
+    def cp_all_reduce_metric(self, partial_values):
+        return sum(partial_values[1:], partial_values[0])

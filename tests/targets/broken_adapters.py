@@ -291,6 +291,18 @@ class _SequenceISPerToken(toy.ToyTrainer):
         return super().importance_weights(data)
 
 
+class _CPMetricsReducedTwice(toy.ToyTrainer):
+    def cp_all_reduce_metric(self, partial_values):  # all-reduced over the CP group, then again
+        return super().cp_all_reduce_metric(partial_values) * self.cfg.cp_size
+
+
+class _CPLossScaledBySize(toy.ToyTrainer):
+    def cp_all_reduce(self, partial_losses):
+        # Megatron-LM's `loss * cp_size` (for gradients averaged over DP x CP ranks) kept although
+        # the CP group sums its gradients: every gradient is cp times too large
+        return super().cp_all_reduce(partial_losses) * self.cfg.cp_size
+
+
 def toy_with(trainer_class, name: str) -> type:
     """A ToyAdapter subclass that runs ``trainer_class``."""
     return type(f"Toy_{name}", (ToyAdapter,), {"trainer_class": trainer_class, "name": name})
@@ -306,6 +318,8 @@ IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
+CPMetricsReducedTwice = toy_with(_CPMetricsReducedTwice, "cp-metrics-reduced-twice")
+CPLossScaledBySize = toy_with(_CPLossScaledBySize, "cp-loss-scaled-by-size")
 SequenceISFromMean = toy_with(_SequenceISFromMeanLogRatio, "sequence-is-from-mean")
 SequenceISPerToken = toy_with(_SequenceISPerToken, "sequence-is-per-token")
 

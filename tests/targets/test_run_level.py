@@ -41,7 +41,7 @@ def test_correct_adapters_pass_every_invariant(adapter, tiny_model, builtin_roll
     assert passed >= {"backend-parity", "entropy-logged-when-coeff-zero", "stored-kl-unaltered",
                       "padding-microbatches-complete", "microbatch-invariance",
                       "row-permutation", "masked-values", "padding-appended",
-                      "on-policy-identities", "config-effect", "grad-norm-identity",
+                      "on-policy-identities", "config-effect", "grad-norm-identity", "cp-invariance",
                       "no-input-mutation", "sanity-bounds", "rollout-parity", "batch-invariance"}
 
 
@@ -69,6 +69,11 @@ CAUGHT = [
     # the base config has no KL term: the stored-kl variant (KL in the reward) exposes it
     (broken.RefFromActor, ["backend-parity", "stored-kl-unaltered"],
      ["backend-parity"], ["stored-kl-unaltered"]),
+    # context parallelism (issue #12 item 4): CP reduction bugs show only in the cp:2 variant
+    (broken.CPMetricsReducedTwice, ["cp-invariance", "backend-parity", "microbatch-invariance"],
+     ["cp-invariance", "backend-parity"], ["microbatch-invariance"]),
+    (broken.CPLossScaledBySize, ["cp-invariance", "backend-parity", "microbatch-invariance"],
+     ["cp-invariance", "backend-parity"], ["microbatch-invariance"]),
 ]
 
 

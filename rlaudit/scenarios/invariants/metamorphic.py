@@ -148,6 +148,38 @@ def masked_values(ctx: CheckContext):
     return _check_against_base(ctx, "masked-values", "masked:garbage", "garbage under mask")
 
 
+# ---- context-parallel size -------------------------------------------------------------------
+
+#: CP size of the cp-invariance variant when no backend's layout declares one
+DEFAULT_CP = 2
+
+
+def cp_size(scn) -> int:
+    """The CP size the variant uses: the largest ``cp`` a backend's layout declares, else 2."""
+    declared = [int(layout.get("cp", 1)) for layout in scn.backends.values()]
+    return max([c for c in declared if c > 1], default=DEFAULT_CP)
+
+
+def _cp_variants(scn, batch):
+    size = cp_size(scn)
+    return [_base(scn, batch),
+            base_variant(scn, batch, f"cp:{size}", steps=min(scn.steps, 2),
+                         **{"actor.context_parallel_size": size})]
+
+
+@invariant("cp-invariance", "metamorphic", variants=_cp_variants)
+def cp_invariance(ctx: CheckContext):
+    """Dividing every sequence's tokens over ``cp`` context-parallel ranks
+    (``actor.context_parallel_size``; load-balanced 2*cp chunks, rlaudit/data/context_parallel.py)
+    changes no metric, per-token output or updated parameter: each rank's partial loss, gradient
+    and metric sums are reduced over the CP group exactly once and never rescaled by ``cp``. The
+    size is the ``cp`` a backend's layout declares (an adapter's ``layout = {"cp": N}``), else 2;
+    rlaudit's backends simulate the CP group in the shared update step."""
+    size = cp_size(ctx.scenario)
+    return _check_against_base(ctx, "cp-invariance", f"cp:{size}",
+                               f"context_parallel_size {size} vs 1")
+
+
 # ---- no input mutation -----------------------------------------------------------------------
 
 @invariant("no-input-mutation", "no-mutation")
