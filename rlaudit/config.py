@@ -196,6 +196,13 @@ class TrainerConfig:
     extra_padding_microbatches: int = 0
     """Audit knob: append this many padding micro-batches (response_mask all False) to every
     optimizer step on every rank. A correct update is unchanged by them."""
+    metric_reduction: Literal["contribution", "microbatch-mean"] = "contribution"
+    """How loss-term metrics (reduction "global" in rlaudit/metrics.py) are reduced:
+    "contribution" (rlaudit's: the global mini-batch value, averaged over optimizer steps) or
+    "microbatch-mean" (each real micro-batch's own local value, averaged over every micro-batch
+    of every rank and optimizer step of the training step: verl's AggregationType.MEAN, TRL).
+    The loss and the update are the same either way. Set by ``rlaudit run --target`` for a
+    target that declares ``metric_reduction = "microbatch-mean"``."""
 
 
 @dataclass

@@ -68,9 +68,8 @@ def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None
 
 def _policy_runs(env: StageEnv, clips=CLIP_SETTINGS):
     modes = supported_names(env.adapter, "loss_modes", POLICY_LOSSES)
-    aggs = supported_names(env.adapter, "loss_agg_modes", AGG_MODES)
     for mode in modes:
-        for agg in aggs:
+        for agg in supported_names(env.adapter, "loss_agg_modes", AGG_MODES, key=mode):
             for clip in clips:
                 yield f"{mode}/{agg} clip={clip}", mode, agg, clip
 
@@ -81,7 +80,7 @@ def policy_parity(env: StageEnv) -> CheckResult:
     metrics (``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
     ``actor/pg_loss``, when present) equal the reference's for every loss mode, aggregation mode
     and asymmetric clip setting (``clip_ratio_high != clip_ratio_low``)."""
-    t = Tally("policy_loss:parity", env.name)
+    t = env.tally("policy_loss:parity")
     for label, mode, agg, clip in _policy_runs(env):
         for case in env.cases:
             def one():
@@ -99,12 +98,16 @@ def policy_parity(env: StageEnv) -> CheckResult:
 
 @stage_check("policy_loss", "global-split", "metamorphic")
 def policy_global_split(env: StageEnv) -> CheckResult:
-    """With the whole batch's ``Denominators`` passed to each micro-batch, the micro-batch losses,
-    gradients and metrics sum to the adapter's own whole-batch values (global normalisation; a
-    per-micro-batch token-mean fails this). n/a when ``policy_loss`` takes no ``denominators``."""
-    t = Tally("policy_loss:global-split", env.name)
+    """With the whole batch's ``Denominators`` passed to each micro-batch, the micro-batch losses
+    and gradients sum to the adapter's own whole-batch values (global normalisation; a
+    per-micro-batch token-mean fails this), and so do the metrics — or, for an adapter that
+    declares ``metric_reduction = "microbatch-mean"``, each micro-batch's metrics equal the
+    reference's metrics of that micro-batch alone (its local means). n/a when ``policy_loss``
+    takes no ``denominators``."""
+    t = env.tally("policy_loss:global-split")
     if not accepts(env.adapter.policy_loss, "denominators"):
         return CheckResult(t.check, env.name, NA, "policy_loss takes no `denominators` argument")
+    local_metrics = env.decl.metric_reduction == "microbatch-mean"
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         for case in env.cases:
             def one():
@@ -114,10 +117,18 @@ def policy_global_split(env: StageEnv) -> CheckResult:
                 w_metrics = _floats(w_metrics)      # values as returned (before later calls)
                 total, grad, sums = 0.0, torch.zeros_like(w_grad), {}
                 for rows in split_rows(len(case.mask)):
-                    loss, metrics, g = _adapter_policy(env, case.rows(rows), mode, agg, clip,
+                    part = case.rows(rows)
+                    loss, metrics, g = _adapter_policy(env, part, mode, agg, clip,
                                                        denom, label=f"{label} rows {rows.tolist()}")
                     total += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
                     grad[rows] = g
+                    if local_metrics:   # each micro-batch reports its own local means
+                        _, want, _ = _oracle_policy(part, mode, agg, clip)
+                        for name in POLICY_METRICS:
+                            if name in metrics and bool(part.mask.any()):
+                                t.compare(f"{label} on {part.name}: micro-batch {name} (its "
+                                          f"local mean)", metrics[name], want[name])
+                        continue
                     for name in POLICY_METRICS:
                         if name in metrics:
                             sums[name] = sums.get(name, 0.0) + float(metrics[name])
@@ -135,7 +146,7 @@ def policy_global_split(env: StageEnv) -> CheckResult:
 @stage_check("policy_loss", "row-permutation", "metamorphic")
 def policy_permutation(env: StageEnv) -> CheckResult:
     """Permuting rows leaves the loss unchanged and permutes its gradient the same way."""
-    t = Tally("policy_loss:row-permutation", env.name)
+    t = env.tally("policy_loss:row-permutation")
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         for case in env.cases:
             if len(case.mask) < 2:
@@ -155,7 +166,7 @@ def policy_permutation(env: StageEnv) -> CheckResult:
 def policy_masked(env: StageEnv) -> CheckResult:
     """Log-probs and advantages written where ``response_mask`` is False (finite garbage) change
     neither the loss, nor the metrics, nor the gradient; the gradient on masked tokens is 0."""
-    t = Tally("policy_loss:masked-values", env.name)
+    t = env.tally("policy_loss:masked-values")
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         for case in env.cases:
             def one():
@@ -179,7 +190,7 @@ def policy_masked(env: StageEnv) -> CheckResult:
 def policy_metrics_copies(env: StageEnv) -> CheckResult:
     """The loss and metrics a call returned keep their values when the adapter is called again
     on other inputs (a metric returned as a view of a buffer the adapter reuses changes later)."""
-    t = Tally("policy_loss:metrics-are-copies", env.name)
+    t = env.tally("policy_loss:metrics-are-copies")
     first, second = env.cases[0], env.cases[1 % len(env.cases)]
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         def one():
@@ -211,7 +222,7 @@ def _distill_case(env: StageEnv):
 def distill_parity(env: StageEnv) -> CheckResult:
     """Padded-input distillation losses (per-token values and gradients with respect to the
     student's log-probs) equal the reference's on valid tokens."""
-    t = Tally("distill_loss:parity", env.name)
+    t = env.tally("distill_loss:parity")
     lengths, width, mask, (s_k, t_k, s_1, t_1) = _distill_case(env)
     for name in supported_names(env.adapter, "distill_losses", DISTILL_LOSSES):
         s, teacher = (s_k, t_k) if name == "forward_kl_topk" else (s_1, t_1)

@@ -60,17 +60,27 @@ def actor_forward_spec(cfg: Config, *, for_update: bool) -> ForwardSpec:
                        topk_field=topk)
 
 
-def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominators
+def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominators,
+               stat_denom: Denominators | None = None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss contribution of one micro-batch and its metric contributions (catalogue names).
 
     Denominators: pg/entropy/KL terms use ``actor.loss_agg_mode`` with the mini-batch's global
     ``denom``; clip fractions and ppo_kl are token-means over the mini-batch's valid tokens.
+    Metrics use ``stat_denom`` instead when given (the micro-batch's own counts, for
+    ``trainer.metric_reduction = "microbatch-mean"``); the loss never does.
     """
     act = cfg.actor
     mask = micro.mask
     mode = act.loss_agg_mode
     logp = out["log_probs"]
+    sd = denom if stat_denom is None else stat_denom
+
+    def term(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss term with ``denom``, its metric with ``sd``)."""
+        value = agg_loss(mat, mask, mode, denom)
+        return value, (value if sd is denom else agg_loss(mat.detach(), mask, mode, sd))
+
     low = act.clip_ratio if act.clip_ratio_low is None else act.clip_ratio_low
     high = act.clip_ratio if act.clip_ratio_high is None else act.clip_ratio_high
     pol = compute_policy_loss(act.loss_mode, old_log_prob=micro["old_log_probs"], log_prob=logp,
@@ -79,41 +89,42 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
     loss_mat = pol.loss_mat
     if act.rollout_correction.rollout_is is not None:
         loss_mat = loss_mat * micro["rollout_is_weights"]
-    pg_loss = agg_loss(loss_mat, mask, mode, denom)
-    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=denom)
+    pg_loss, pg_stat = term(loss_mat)
+    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=sd)
     stats = {
-        "actor/pg_loss": pg_loss,
+        "actor/pg_loss": pg_stat,
         "actor/pg_clipfrac": tok(pol.clipped.to(logp.dtype)),
         "actor/pg_clipfrac_lower": tok(pol.clipped_lower.to(logp.dtype)),
         "actor/ppo_kl": tok(pol.ppo_kl_mat),
     }
     loss = pg_loss
+    stat_loss = pg_stat
     if cfg.compute_entropy:
-        entropy = agg_loss(out["entropy"], mask, mode, denom)
-        stats["actor/entropy"] = entropy
+        entropy, stats["actor/entropy"] = term(out["entropy"])
         if act.entropy_coeff != 0:
             loss = loss - act.entropy_coeff * entropy
+            stat_loss = stat_loss - act.entropy_coeff * stats["actor/entropy"]
     if act.use_kl_loss:
         ref = torch.where(mask, micro["ref_log_probs"], logp.detach())  # no NaN/inf from padding
-        kl = agg_loss(kl_penalty(logp, ref, act.kl_loss_type), mask, mode, denom)
-        stats["actor/kl_loss"] = kl
+        kl, stats["actor/kl_loss"] = term(kl_penalty(logp, ref, act.kl_loss_type))
         loss = loss + act.kl_loss_coef * kl
+        stat_loss = stat_loss + act.kl_loss_coef * stats["actor/kl_loss"]
     rc = act.rollout_correction
     if rc.use_rollout_kl_loss:
-        rkl = agg_loss(rollout_kl_loss_mat(logp, micro["rollout_log_probs"],
-                                           rc.rollout_kl_loss_type, mask=mask), mask, mode, denom)
-        stats["actor/rollout_kl"] = rkl
+        rkl, stats["actor/rollout_kl"] = term(rollout_kl_loss_mat(
+            logp, micro["rollout_log_probs"], rc.rollout_kl_loss_type, mask=mask))
         loss = loss + rc.rollout_kl_loss_coef * rkl
+        stat_loss = stat_loss + rc.rollout_kl_loss_coef * stats["actor/rollout_kl"]
     if act.distill.enable:
         fn = DISTILL_LOSSES.get(act.distill.loss_type)
         if act.distill.loss_type == "forward_kl_topk":
             mat = fn(out["topk_log_probs"], micro["teacher_topk_log_probs"], mask)
         else:
             mat = fn(logp, micro["teacher_log_probs"], mask)
-        dl = agg_loss(mat, mask, mode, denom)
-        stats["actor/distill_loss"] = dl
+        dl, stats["actor/distill_loss"] = term(mat)
         loss = loss + act.distill.coef * dl
-    stats["actor/loss"] = loss
+        stat_loss = stat_loss + act.distill.coef * stats["actor/distill_loss"]
+    stats["actor/loss"] = stat_loss
     return loss, stats
 
 

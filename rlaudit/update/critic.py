@@ -22,17 +22,21 @@ from rlaudit.update.plan import optimizer_steps
 VALUE_SPEC = ForwardSpec(kind="values")
 
 
-def critic_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominators
+def critic_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominators,
+                stat_denom: Denominators | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), aggregated with critic.loss_agg_mode;
-    vf_clipfrac and vpred_mean are token-means over the mini-batch's valid tokens."""
+    vf_clipfrac and vpred_mean are token-means over the mini-batch's valid tokens (metrics over
+    ``stat_denom`` when given, as in :func:`rlaudit.update.actor.actor_loss`)."""
     mask = micro.mask
     vpreds = out["values"]
     loss_mat, clipped = value_loss(vpreds, micro["values"], micro["returns"], mask,
                                    cliprange_value=cfg.critic.cliprange_value)
     loss = agg_loss(loss_mat, mask, cfg.critic.loss_agg_mode, denom)
-    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=denom)
-    return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": tok(clipped.to(vpreds.dtype)),
+    sd = denom if stat_denom is None else stat_denom
+    vf = loss if sd is denom else agg_loss(loss_mat.detach(), mask, cfg.critic.loss_agg_mode, sd)
+    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=sd)
+    return loss, {"critic/vf_loss": vf, "critic/vf_clipfrac": tok(clipped.to(vpreds.dtype)),
                   "critic/vpred_mean": tok(vpreds)}
 
 

@@ -84,11 +84,19 @@ def optimizer_steps(ctx, batch: RolloutBatch, cfg, *, role: str, epochs: int,
 
     Returns the metrics averaged over optimizer steps: the loss's stats (summed over micro-batches
     and ranks: global mini-batch values), ``<role>/grad_norm`` (pre-clip), ``<role>/lr``, and
-    whatever ``extra(plan)`` adds per step."""
+    whatever ``extra(plan)`` adds per step. With ``trainer.metric_reduction =
+    "microbatch-mean"`` the loss's stats are instead each real micro-batch's local value,
+    averaged over every micro-batch of every rank and optimizer step."""
     act = cfg.actor
     mb_rows = min(act.ppo_mini_batch_size * cfg.rollout.n, len(batch))
     norm_len = float(act.loss_scale_factor or batch.response_width)
+    micro_mean = cfg.trainer.metric_reduction == "microbatch-mean"
     acc = MetricAccumulator()
+
+    def loss_fn(micro, out, *, denom):
+        local = Denominators.of(micro.mask, norm_len=denom.norm_len) if micro_mean else None
+        return loss(micro, out, cfg=cfg, denom=denom, stat_denom=local)
+
     for epoch in range(epochs):
         for mb in split_minibatches(batch, mb_rows, shuffle=act.shuffle,
                                     seed=cfg.trainer.seed + epoch):
@@ -98,9 +106,14 @@ def optimizer_steps(ctx, batch: RolloutBatch, cfg, *, role: str, epochs: int,
                               max_token_len=act.ppo_max_token_len_per_gpu, norm_len=norm_len,
                               extra_padding=cfg.trainer.extra_padding_microbatches)
             ctx.zero_grad()
-            loss_fn = split_loss(partial(loss, cfg=cfg, denom=plan.denom), cp)
-            results = ctx.forward_backward(plan.micros, spec, loss_fn)
-            stats = acc.sum_micro_stats(ctx, [r["stats"] for r in results])
+            results = ctx.forward_backward(plan.micros, spec,
+                                           split_loss(partial(loss_fn, denom=plan.denom), cp))
+            micro_stats = [r["stats"] for r in results]
+            if micro_mean:
+                acc.add_micro_means(ctx, micro_stats, real=plan.num_real)
+                stats = {}
+            else:
+                stats = acc.sum_micro_stats(ctx, micro_stats)
             stats[f"{role}/grad_norm"] = ctx.clip_and_step(grad_clip)
             stats[f"{role}/lr"] = ctx.lr
             if extra is not None:

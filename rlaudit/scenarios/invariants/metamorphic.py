@@ -4,6 +4,7 @@ inputs."""
 
 from __future__ import annotations
 
+from rlaudit.metrics import golden_names, spec
 from rlaudit.data.transforms import append_padding, permute_rows_within_blocks, perturb_masked
 from rlaudit.scenarios.invariants.base import CheckContext, base_variant, invariant, result
 from rlaudit.scenarios.invariants.compare import compare_runs
@@ -21,8 +22,22 @@ def _base(scn, batch, name=None):
     return base_variant(scn, batch, SHORT_BASE, steps=min(scn.steps, 2))
 
 
+def cut_invariant_metrics(scn, run) -> list[str] | None:
+    """The metric names a re-cut of the batch must leave unchanged: every golden-compared one,
+    except, when the scenario reduces metrics as micro-batch means
+    (``trainer.metric_reduction``, a target's declared convention), the loss-term metrics:
+    a mean of micro-batch means depends on the cut by definition (loss and update do not).
+    None: every metric."""
+    if scn.config.trainer.metric_reduction != "microbatch-mean":
+        return None
+    names = {n for s in run.steps for n in golden_names(s)}
+    return sorted(n for n in names if spec(n).reduction != "global")
+
+
 def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, *,
-                        base: str = SHORT_BASE, **kw):
+                        base: str = SHORT_BASE, recut: bool = False, **kw):
+    """``recut``: the variant cuts the batch into other micro-batches (see
+    :func:`cut_invariant_metrics`)."""
     out = []
     for b in ctx.backends():
         runs, na = ctx.need(name, b, variant, base)
@@ -30,6 +45,8 @@ def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, 
             out.append(na)
             continue
         got, want = runs
+        if recut:
+            kw["metrics"] = cut_invariant_metrics(ctx.scenario, want)
         # ``want`` is the baseline: its rows, widths and mask are the ones compared on (row_map
         # and width map ``got`` onto them)
         c = compare_runs(ctx.scenario, got, want, mask=ctx.mask(base), label=label, **kw)
@@ -63,7 +80,7 @@ def microbatch_invariance(ctx: CheckContext):
     per micro-batch."""
     out = []
     for v in ("microbatch:1", "microbatch:all", "microbatch:tokens"):
-        for r in _check_against_base(ctx, "microbatch-invariance", v, v):
+        for r in _check_against_base(ctx, "microbatch-invariance", v, v, recut=True):
             out.append(r)
     return _merge(out)
 
@@ -107,7 +124,7 @@ def row_permutation(ctx: CheckContext):
     scn = ctx.scenario
     _, perm = permute_rows_within_blocks(ctx.batch, _mb_rows(scn, ctx.batch), seed=1234)
     return _check_against_base(ctx, "row-permutation", "permutation", "rows permuted",
-                               row_map=perm)
+                               row_map=perm, recut=True)
 
 
 # ---- padding appended ------------------------------------------------------------------------
