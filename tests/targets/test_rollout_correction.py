@@ -5,8 +5,6 @@ backend-parity, and the correct toy passes both."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import broken_adapters as broken
@@ -14,7 +12,6 @@ from examples.toy_trainer.adapter import ToyAdapter
 from rlaudit.data.io import load_rollout
 from rlaudit.scenarios.result import FAIL, PASS
 from rlaudit.scenarios.spec import load_scenario
-from rlaudit.targets import builtin
 from rlaudit.targets.runner import run_target_scenario
 
 from conftest import REPO
@@ -27,9 +24,6 @@ INVARIANTS = ["rollout-correction", "backend-parity", "on-policy-identities"]
 @pytest.fixture(scope="module")
 def stale():
     scn = load_scenario(REPO / "scenarios" / "rollout_is_stale.yaml")
-    # ToyTrainer runs stock HF float64 (float32 islands): the built-in target scenario's
-    # tolerance, until targets get theirs from a declared precision (issue #12 item 2)
-    scn = dataclasses.replace(scn, tolerances={"default": builtin.TOLERANCE})
     return scn, load_rollout(scn.rollout)
 
 
