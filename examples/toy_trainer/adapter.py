@@ -166,13 +166,14 @@ class ToyAdapter(TargetAdapter):
                                    cfg, self._counts(response_mask, denominators))
         return loss, {METRICS[k]: v for k, v in stats.items()}
 
-    def make_microbatches(self, batch, *, dp_size, micro_batch_size=None, max_token_len=None):
+    def make_microbatches(self, batch, *, dp_size, micro_batch_size=None, max_token_len=None,
+                          extra_padding=0):
         data = to_toy(batch)
         n = len(data["index"]) // dp_size
         shards = [toy.take(data, list(range(r * n, (r + 1) * n))) for r in range(dp_size)]
         ranks = [toy.split_micro_batches(s, rows=micro_batch_size, max_tokens=max_token_len)
                  for s in shards]
-        most = max(len(r) for r in ranks)
+        most = max(len(r) for r in ranks) + extra_padding
         ranks = [r + [toy.padding_micro_batch(s) for _ in range(most - len(r))]
                  for r, s in zip(ranks, shards)]
         return [[from_toy(mb) for mb in r] for r in ranks]

@@ -359,7 +359,7 @@ class ToyTrainer:
             kl = aggregate(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode,
                            **agg)
             stats["kl_loss"] = kl.detach()
-            loss = loss + cfg.kl_loss_coef * kl
+            loss = self.with_kl_penalty(loss, kl)
         stats["loss"] = loss.detach()
         return loss, stats
 
@@ -375,6 +375,10 @@ class ToyTrainer:
         loss = self.cp_all_reduce([p[0] for p in parts])
         stats = {k: self.cp_all_reduce_metric([p[1][k] for p in parts]) for k in parts[0][1]}
         return loss, stats
+
+    def with_kl_penalty(self, loss, kl):
+        """The KL loss term pulls the policy towards the reference: added, times its coef."""
+        return loss + self.cfg.kl_loss_coef * kl
 
     def cp_all_reduce(self, partial_losses):
         """Sum over the CP group (the gradient of each rank's share adds up)."""

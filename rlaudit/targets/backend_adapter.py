@@ -236,6 +236,8 @@ NEEDS: dict[str, Needs] = {
     "grad-norm-identity": Needs(params=True, metrics=("actor/grad_norm",)),
     "rollout-parity": Needs(tokens=("probe_log_probs",)),
     "rollout-correction": Needs(tokens=("probe_log_probs",)),
+    "ppo-epochs-identity": Needs(params=True, metrics=("actor/grad_norm",)),
+    "kl-loss-direction": Needs(metrics=("actor/kl_loss", "actor/grad_norm")),
     "batch-invariance": Needs(tokens=("probe_log_probs",)),
     "padding-microbatches-complete": Needs(microbatches=True),
     "distributed-health": Needs(microbatches=True),

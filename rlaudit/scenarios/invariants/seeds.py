@@ -136,7 +136,8 @@ def _padding_variants(scn, batch):
 def padding_complete(ctx: CheckContext):
     """Padding micro-batches (response_mask all False, added so every rank runs equally many
     passes) carry every per-token field the real micro-batches of the same optimizer step carry,
-    with the same dtypes and trailing shapes; and appending two of them per optimizer step
+    with the same dtypes and trailing shapes; asking for two per optimizer step
+    (``trainer.extra_padding_microbatches``) runs at least two more passes on every rank, and
     changes no metric, per-token output or updated parameter."""
     out = []
     scn = ctx.scenario
@@ -173,6 +174,14 @@ def padding_complete(ctx: CheckContext):
         if not seen_padding and extra.micro_log:
             problems.append("no padding micro-batch was run although two were requested per "
                             "optimizer step")
+        elif extra.micro_log and none_.micro_log:
+            # counted, not recognised by an empty mask: a real micro-batch of empty responses
+            # also has no valid token
+            more = [[len(e) - len(n) for e, n in zip(re, rn)]
+                    for re, rn in zip(extra.micro_log[0], none_.micro_log[0])]
+            if any(d < 2 for rank in more for d in rank):
+                problems.append(f"extra_padding_microbatches = 2 added {more} micro-batches per "
+                                f"rank and optimizer step (at least 2 expected)")
         same = compare_runs(scn, extra, none_, mask=ctx.mask("padding:none"),
                             label="with 2 padding micro-batches vs none")
         if not same.ok:
