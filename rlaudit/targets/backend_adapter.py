@@ -238,6 +238,7 @@ NEEDS: dict[str, Needs] = {
     "rollout-correction": Needs(tokens=("probe_log_probs",)),
     "ppo-epochs-identity": Needs(params=True, metrics=("actor/grad_norm",)),
     "kl-loss-direction": Needs(metrics=("actor/kl_loss", "actor/grad_norm")),
+    "reward-shaping": Needs(tokens=("token_level_scores",)),
     "batch-invariance": Needs(tokens=("probe_log_probs",)),
     "padding-microbatches-complete": Needs(microbatches=True),
     "distributed-health": Needs(microbatches=True),
