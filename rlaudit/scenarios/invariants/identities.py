@@ -268,8 +268,6 @@ KL_COEF = 0.5
 #: models (measured: second-order share of the KL change < 5%), large enough to move KL well
 #: beyond float noise
 KL_LR = 1e-3
-#: accepted ratio of the measured KL decrease to its first-order prediction lr * |g|^2 / coef
-KL_DESCENT_BAND = (0.5, 1.5)
 #: estimators that are > 0 whenever the policy differs from the reference
 POSITIVE_KL = ("k2", "mse", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+")
 
@@ -292,11 +290,12 @@ def _kl_direction_variants(scn, batch):
 def kl_loss_direction(ctx: CheckContext):
     """With the KL loss the only term (all scores equal, so GRPO advantages are 0; coefficient
     c = 0.5; plain SGD, no clipping), one optimizer step moves the policy *towards* the
-    reference: ``actor/kl_loss`` falls from step 0 to step 1 by its first-order prediction
-    ``lr * grad_norm^2 / c`` (within a factor 0.5..1.5). A KL term added with the wrong sign
-    raises the KL instead; one computed against the live actor instead of the reference policy
-    is 0. Independent of config-effect, which only checks the loss value. n/a without a
-    reference policy distinct from the actor (the KL is then 0)."""
+    reference: ``actor/kl_loss`` falls from step 0 to step 1 (the first-order prediction
+    ``lr * grad_norm^2 / c`` is reported, not required: a trainer may log the KL aggregated
+    otherwise than its loss, as TRL does). A KL term added with the wrong sign raises the KL
+    instead; one computed against the live actor instead of the reference policy is 0.
+    Independent of config-effect, which only checks the loss value. n/a without a reference
+    policy distinct from the actor (the KL is then 0)."""
     scn = ctx.scenario
     if scn.ref_model is None:
         return [not_applicable("kl-loss-direction", b, "the reference policy is the initial "
@@ -319,16 +318,13 @@ def kl_loss_direction(ctx: CheckContext):
         if kind in POSITIVE_KL and not k0 > 0:
             problems.append(f"actor/kl_loss = {k0:.6g} at step 0 with a reference policy that "
                             f"is not the actor ({kind} is > 0 there)")
-        if g is None:
-            problems.append("actor/grad_norm not logged")
-        else:
-            pred = KL_LR * g * g / KL_COEF
-            ratio = (k0 - k1) / pred if pred > 0 else float("nan")
-            if not KL_DESCENT_BAND[0] <= ratio <= KL_DESCENT_BAND[1]:
-                problems.append(f"one SGD step on the KL term changed actor/kl_loss "
-                                f"{k0:.8g} -> {k1:.8g}; descent predicts a fall of {pred:.3g} "
-                                f"(lr * grad_norm^2 / coef), measured {k0 - k1:.3g}")
+        pred = KL_LR * g * g / KL_COEF if g is not None else float("nan")
+        tol = ctx.scenario.tol("actor/kl_loss")
+        if not k0 - k1 > tol.atol + tol.rtol * abs(k0):
+            problems.append(f"one SGD step on the KL term changed actor/kl_loss {k0:.8g} -> "
+                            f"{k1:.8g}: it must fall (first-order prediction: a fall of "
+                            f"{pred:.3g} = lr * grad_norm^2 / coef)")
         out.append(result("kl-loss-direction", b, not problems, "; ".join(problems) or
-                          f"KL fell {k0:.6g} -> {k1:.6g}, {ratio:.3f} x the first-order "
-                          f"prediction"))
+                          f"KL fell {k0:.6g} -> {k1:.6g} (first-order prediction: a fall of "
+                          f"{pred:.3g})"))
     return out
