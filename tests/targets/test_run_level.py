@@ -41,8 +41,10 @@ def test_correct_adapters_pass_every_invariant(adapter, tiny_model, builtin_roll
     assert passed >= {"backend-parity", "entropy-logged-when-coeff-zero", "stored-kl-unaltered",
                       "padding-microbatches-complete", "microbatch-invariance",
                       "row-permutation", "masked-values", "padding-appended",
-                      "on-policy-identities", "config-effect", "grad-norm-identity", "cp-invariance",
-                      "no-input-mutation", "sanity-bounds", "rollout-parity", "batch-invariance"}
+                      "on-policy-identities", "config-effect", "grad-norm-identity",
+                      "no-input-mutation", "sanity-bounds", "rollout-parity", "batch-invariance",
+                      "cp-invariance", "kl-loss-direction", "ppo-epochs-identity",
+                      "rollout-correction"}
 
 
 # adapter, invariants run, must fail, must pass (for the adapter's column)
