@@ -52,7 +52,10 @@ def test_slime_before_2114_fails_stored_kl_unaltered_only(tmp_path):
     rc, checks, _ = run_cli(tmp_path, f"slime=={BEFORE}")
     failed = {n for n, c in checks.items() if c["status"] in ("fail", "error")}
     assert rc == 1
-    assert failed == {"apply_kl_in_reward:stored-kl-unaltered"}
+    # the one bug, seen by both KL-in-reward checks: the stored KL was overwritten with the
+    # shaped reward, so it is neither the KL estimate nor what the rewards were built from
+    assert failed == {"apply_kl_in_reward:stored-kl-unaltered",
+                      "apply_kl_in_reward:rewards-from-stored-kl"}
     assert "stored kl" in checks["apply_kl_in_reward:stored-kl-unaltered"]["message"]
 
 

@@ -104,7 +104,8 @@ def test_builtin_scenario_no_undeclared_failure():
     mine = [c for c in checks if c.backend == "trl"]
     for name in ("rollout-parity", "no-input-mutation", "on-policy-identities",
                  "entropy-logged-when-coeff-zero", "row-permutation", "microbatch-invariance",
-                 "grad-norm-identity", "masked-values", "padding-appended", "sanity-bounds"):
+                 "grad-norm-identity", "masked-values", "padding-appended", "sanity-bounds",
+                 "ppo-epochs-identity"):
         assert _status(mine, name) == {"pass"}, name
     # grpo / dr_grpo loss types (cfg:agg variants, an empty completion) agree strictly under
     # seq_count = all-rows; TRL has no seq-mean entropy to report there
@@ -114,6 +115,7 @@ def test_builtin_scenario_no_undeclared_failure():
     assert "entropy bonus" in why["config-effect"] and "KL term" in why["config-effect"]
     assert "KL in reward" in why["stored-kl-unaltered"]
     assert "use_dynamic_bsz" in why["batch-invariance"]
+    assert "KL term" in why["kl-loss-direction"]
 
 
 # ---- three bugs injected into TRL's loss path, one at a time ------------------------------------
