@@ -263,8 +263,9 @@ class TRLAdapter(TargetAdapter):
             # importance ratio by default (use_bias_correction_kl): no reference convention
             # computes either; with it TRL's logged loss is no longer the policy loss alone, and
             # with beta = 0 TRL computes no KL at all
-            f"use_kl_loss (TRL's KL term is k3 without the clamp of its value at 10: "
-            f"{kl_link(self.version)})": a.use_kl_loss,
+            f"use_kl_loss (TRL's KL term is k3 without the clamp of its value at 10, times the "
+            f"importance ratio by default (use_bias_correction_kl): {kl_link(self.version)})":
+                a.use_kl_loss,
             "KL in reward": alg.use_kl_in_reward,
             "rollout correction (TRL applies it only with use_vllm=True)":
                 rc.rollout_is is not None or rc.use_rollout_kl_loss,
