@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from rlaudit.backends.launch.pool import register_task_reset
 from rlaudit.errors import InputError
 
 TESTED_VERSIONS = ("0.16.1",)
@@ -301,3 +302,7 @@ def teardown_megatron() -> None:
     except ImportError:
         return
     parallel_state.destroy_model_parallel()
+
+
+# a warm pool's rank resets megatron after every task, even one that did not tear down itself
+register_task_reset(teardown_megatron)
