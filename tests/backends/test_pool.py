@@ -133,6 +133,7 @@ def test_without_a_pool_block_run_ranks_is_launch(monkeypatch):
     import rlaudit.backends.launch.pool as pool_mod
 
     calls = []
+    monkeypatch.setattr(pool_mod, "_ACTIVE", [])  # outside the pytest session's pools too
     monkeypatch.setattr(pool_mod, "launch", lambda fn, world, **kw: calls.append((fn, world, kw))
                         or ["launched"])
     assert run_ranks(_sum_ranks, 2, pool="t", args=(1.0,), timeout=5) == ["launched"]

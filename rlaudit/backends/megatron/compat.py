@@ -223,7 +223,16 @@ def _patch_type_checks() -> None:
 # --------------------------------------------------------------------------- public API
 
 def megatron_version() -> str:
-    """The installed megatron-core version (raises InputError when it is not installed)."""
+    """The installed megatron-core version (raises InputError when it is not installed).
+
+    From the package metadata when there is one: importing megatron.core takes seconds and warns
+    eight times, and a process that only checks availability (the CLI) should not pay that."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        pass  # a source checkout on the path, perhaps
     try:
         import megatron.core
     except ImportError as e:

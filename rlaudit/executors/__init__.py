@@ -1,0 +1,76 @@
+"""Where ``rlaudit run`` carries out its scenario x backend jobs.
+
+    local   this machine, scenario after scenario; multi-rank backends reuse warm rank pools
+            (rlaudit/backends/launch/pool.py) for the whole invocation (the default)
+    ray     Ray tasks and actors: every multi-rank job a placement group with one bundle per rank,
+            the reference replays Ray tasks; a local Ray cluster, or ``--ray-address``
+
+Both run each scenario through :func:`rlaudit.scenarios.engine.run_scenario`, handing it a
+``replay(backend, request)`` that carries out one backend's replay: the variants, invariants,
+goldens and reports are the same code whichever executor runs, only where the replays happen
+differs. ``Executor.map(scenarios, run_one)`` yields ``(scenario, result)`` in the scenarios'
+order, where ``run_one(scenario, replay)`` returns the scenario's result.
+
+    with make_executor("local", scenarios, backends=None) as ex:
+        for scn, res in ex.map(scenarios, lambda scn, replay: run_scenario(scn, replay=replay)):
+            ...
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from rlaudit.executors.progress import Progress
+
+EXECUTORS = ("local", "ray")
+
+
+def job_count(scenarios, backends: list[str] | None) -> int:
+    """How many scenario x backend replays ``run_scenario`` will do (for the progress line)."""
+    from rlaudit.scenarios.engine import planned_backends
+
+    return sum(len(planned_backends(scn, backends)[0]) for scn in scenarios)
+
+
+class LocalExecutor:
+    """Scenario after scenario in this process; multi-rank replays go to the warm pools of the
+    enclosing :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds one)."""
+
+    name = "local"
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    def __enter__(self) -> "LocalExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.close()
+
+    def map(self, scenarios, run_one: Callable) -> Iterator[tuple]:
+        for scn in scenarios:
+            yield scn, run_one(scn, self._replayer(scn.name))
+
+    def _replayer(self, scenario: str):
+        def replay(backend, request):
+            self.progress.start(scenario, backend.name)
+            try:
+                return backend.replay(request)
+            finally:
+                self.progress.finish(scenario, backend.name)
+        return replay
+
+
+def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
+                  progress: bool = True, ray_address: str | None = None):
+    """The executor called ``name`` (see :data:`EXECUTORS`) with a progress display over the
+    scenarios' jobs."""
+    total = job_count(scenarios, backends)
+    if name == "ray":
+        from rlaudit.executors.ray_executor import RayExecutor
+
+        return RayExecutor(total, address=ray_address, progress=progress)
+    return LocalExecutor(Progress(total, enabled=progress))
+
+
+__all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor"]
