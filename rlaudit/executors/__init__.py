@@ -69,7 +69,8 @@ def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
     if name == "ray":
         from rlaudit.executors.ray_executor import RayExecutor
 
-        return RayExecutor(total, address=ray_address, progress=progress)
+        return RayExecutor(total, address=ray_address, progress=progress,
+                           gpu=any(scn.device == "cuda" for scn in scenarios))
     return LocalExecutor(Progress(total, enabled=progress))
 
 

@@ -54,7 +54,7 @@ def pool_rank_main(spec: RankSpec, payload: None, conn) -> None:
         torch.set_num_threads(spec.threads)
         phase = "init"
         info = _init_distributed(spec)
-        state = _State.capture(spec)
+        state = ProcessState.capture(spec.threads, spec.device_type)
         files.ready.touch()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         _record_error(spec, phase, exc)
@@ -90,8 +90,9 @@ def pool_rank_main(spec: RankSpec, payload: None, conn) -> None:
 
 
 @dataclasses.dataclass
-class _State:
-    """Process-wide state a task may change, as it was before the first task."""
+class ProcessState:
+    """Process-wide state a task may change, as it was before the first task (the Ray executor's
+    rank actors use it too)."""
 
     threads: int
     torch_rng: object
@@ -103,12 +104,12 @@ class _State:
     deterministic: bool
 
     @classmethod
-    def capture(cls, spec: RankSpec) -> "_State":
+    def capture(cls, threads: int, device_type: str) -> "ProcessState":
         import torch
 
         numpy = sys.modules.get("numpy")
-        cuda = spec.device_type == "cuda" and torch.cuda.is_available()
-        return cls(threads=spec.threads, torch_rng=torch.get_rng_state(),
+        cuda = device_type == "cuda" and torch.cuda.is_available()
+        return cls(threads=threads, torch_rng=torch.get_rng_state(),
                    cuda_rng=torch.cuda.get_rng_state_all() if cuda else None,
                    py_rng=random.getstate(),
                    np_rng=numpy.random.get_state() if numpy is not None else None,
