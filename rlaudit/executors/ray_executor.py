@@ -53,7 +53,9 @@ class RayExecutor:
 
     def __init__(self, total: int, *, address: str | None = None, progress: bool = True,
                  gpu: bool = False):
-        self.address, self.gpu = address, gpu
+        # like ray.init itself, RAY_ADDRESS names the cluster when --ray-address does not
+        self.address = address or os.environ.get("RAY_ADDRESS") or None
+        self.gpu = gpu
         self.progress = Progress(total, enabled=progress)
         self.pools = None
         self._started_ray = False
