@@ -23,6 +23,28 @@ from typing import Callable, Iterator
 from rlaudit.executors.progress import Progress
 
 EXECUTORS = ("local", "ray")
+#: Intra-op threads of the process that replays the reference backend and checks invariants:
+#: 1, as in every rank and in the test suite. float64 results differ in the last bit between
+#: thread counts, so a fixed count keeps them the same on every machine; and on a busy 2-core
+#: machine two threads contending made the in-process reference replays several times slower.
+#: RLAUDIT_THREADS overrides it.
+DEFAULT_THREADS = 1
+
+
+def process_threads() -> int:
+    import os
+
+    value = os.environ.get("RLAUDIT_THREADS", str(DEFAULT_THREADS))
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        from rlaudit.errors import InputError
+
+        raise InputError(f"expected an integer >= 1, got {value!r}", source="environment",
+                         key="RLAUDIT_THREADS")
+    return threads
 
 
 def job_count(scenarios, backends: list[str] | None) -> int:
@@ -42,6 +64,9 @@ class LocalExecutor:
         self.progress = progress
 
     def __enter__(self) -> "LocalExecutor":
+        import torch
+
+        torch.set_num_threads(process_threads())
         return self
 
     def __exit__(self, *exc) -> None:

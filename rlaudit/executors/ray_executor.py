@@ -12,7 +12,8 @@ What runs where:
 - every replay runs on Ray: multi-rank backends' ``run_ranks`` calls go to warm rank groups
   (rlaudit/executors/ray_ranks.py: one placement group per group, a bundle per rank, GPU bundles
   with ``--device cuda``), and the reference backend's replays to one-rank groups of the same
-  kind (so a reference replay, too, runs on a cluster node, with the driver's thread count);
+  kind (so a reference replay, too, runs on a cluster node, with the same thread count as a
+  local run: rlaudit.executors.DEFAULT_THREADS);
 - scenarios run concurrently, as many as the cluster has room for two-rank groups (a local
   cluster: one at a time per two cores), each scenario's backends in order.
 
@@ -69,7 +70,10 @@ class RayExecutor:
         from rlaudit.cli.quiet import quiet_loggers
         from rlaudit.executors.ray_ranks import RayPoolSet
 
-        self._threads = torch.get_num_threads()  # the reference's, as in-process
+        from rlaudit.executors import process_threads
+
+        self._threads = process_threads()  # the reference replays' threads, as in-process
+        torch.set_num_threads(self._threads)  # and the driver's checks
         quiet_loggers()
         if not ray.is_initialized():
             kw = {"address": self.address} if self.address else {
