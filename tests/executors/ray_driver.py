@@ -2,7 +2,7 @@
 
     python ray_driver.py REPORT_DIR TRACKING_URI
 
-1. ``rlaudit run seed_stored_kl --executor ray --json`` on a local Ray cluster (started here, so
+1. ``rlaudit run seed_stored_kl --backend fsdp --executor ray --json`` on a local Ray cluster (started here, so
    the same cluster serves step 2); the JSON goes to REPORT_DIR/results.json.
 2. Failures on Ray rank groups: rank 1 raises; rank 1's worker dies (``os._exit``: a lost worker);
    then a task on a fresh group. One JSON line on stdout says what was seen.
@@ -46,8 +46,8 @@ def main() -> int:
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = rlaudit(["run", "seed_stored_kl", "--executor", "ray", "--json", "--report-dir",
-                      report_dir, "--tracking-uri", uri])
+        rc = rlaudit(["run", "seed_stored_kl", "--backend", "fsdp", "--executor", "ray", "--json",
+                      "--report-dir", report_dir, "--tracking-uri", uri])
     with open(os.path.join(report_dir, "results.json"), "w") as f:
         f.write(out.getvalue())
     seen = {"rc": rc}
