@@ -41,6 +41,10 @@ class ReplayRequest:
     dtype: str = "float32"
     device: str = "cpu"
     timeout: float = 600.0
+    weight_noise: float = 0.0
+    """Relative std of a fixed multiplicative noise applied to every weight after loading
+    (reference backend only): how the noise floor of a target's precision is measured (see
+    rlaudit/targets/declare.py). 0: the snapshot's exact weights."""
 
 
 @dataclass
@@ -69,6 +73,10 @@ class VariantRun:
     micro_log: list[list[list[list[dict]]]] = field(default_factory=list)
     inputs_unchanged: bool = True
     info: dict[str, Any] = field(default_factory=dict)
+    noise: "VariantRun | None" = field(default=None, repr=False, compare=False)
+    """The same variant replayed by the reference with weights perturbed at a target's
+    precision (set by the target runner): comparisons against this run allow a multiple of its
+    spread (rlaudit.scenarios.invariants.compare.NOISE_FACTOR)."""
 
 
 class Backend(Protocol):

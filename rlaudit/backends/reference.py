@@ -73,10 +73,28 @@ class ReferenceBackend:
 
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         out = {}
+        wrap = (functools.partial(perturb_weights, rel=request.weight_noise)
+                if request.weight_noise else (lambda module: module))
         for variant in request.variants:
             torch.manual_seed(variant.config.trainer.seed)
             out[variant.name] = replay_variant(
                 lambda v: torch_roles(request.model, v, dtype=request.dtype, device=request.device,
-                                      ref_model_path=request.ref_model),
+                                      ref_model_path=request.ref_model, wrap=wrap),
                 variant)
         return out
+
+
+#: seed of the weight perturbation (fixed: the noise floor is reproducible)
+NOISE_SEED = 0
+
+
+def perturb_weights(module: torch.nn.Module, *, rel: float) -> torch.nn.Module:
+    """Multiply every parameter by ``1 + rel * N(0, 1)`` (a fixed draw per parameter, in the
+    module's parameter order): the effect of rounding at a precision whose unit roundoff is
+    ``rel``, propagated through the whole step."""
+    g = torch.Generator().manual_seed(NOISE_SEED)
+    with torch.no_grad():
+        for p in module.parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.mul_((1 + rel * noise).to(p.dtype))
+    return module

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from rlaudit.scenarios.result import ScenarioResult
+from rlaudit.scenarios.result import STATUS_ORDER, ScenarioResult
 
-SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR"}
+SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR", "differs": "differs"}
 GOLDEN_SYMBOL = {"pass": "pass", "fail": "FAIL", "stale": "STALE", "missing": "none",
                  "blessed": "BLESSED"}
 
 
 def _cell(statuses: list[str]) -> str:
-    for s in ("error", "fail", "pass", "n/a"):
+    for s in STATUS_ORDER:
         if s in statuses:
             return SYMBOL[s]
     return "-"
@@ -50,6 +50,9 @@ def render_result(res: ScenarioResult) -> str:
     for g in res.golden:
         if g.status in ("fail", "stale", "blessed"):
             out.append(f"  golden {GOLDEN_SYMBOL[g.status]} [{g.backend}]: {g.message}")
+    for c in res.checks:
+        if c.status == "differs":
+            out.append(f"  differs {c.invariant} [{c.backend}] (declared): {c.message}")
     for b, err in res.errors.items():
         out.append(f"  backend {b} crashed:\n" + "\n".join("    " + ln for ln in err.splitlines()[-15:]))
     return "\n".join(out)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
-from rlaudit.scenarios.result import ScenarioResult
+from rlaudit.scenarios.result import STATUS_ORDER, ScenarioResult
 
 EMBEDDED_DB = "mlflow.db"
 EMBEDDED_ARTIFACTS = "mlartifacts"
@@ -151,7 +151,7 @@ def sanitize_key(name: str) -> str:
 def backend_status(res: ScenarioResult, backend: str) -> dict[str, str]:
     """invariant -> worst status of its checks on ``backend`` (checks on ``*`` apply to all)."""
     out: dict[str, str] = {}
-    order = ("error", "fail", "pass", "n/a")
+    order = STATUS_ORDER
     for c in res.checks:
         if c.backend not in (backend, "*"):
             continue
@@ -188,7 +188,7 @@ def child_tags(res: ScenarioResult, backend: str, parent_id: str, git: str | Non
     for name, status in backend_status(res, backend).items():
         tags[f"invariant.{name}"] = status
     for c in res.checks:
-        if c.backend in (backend, "*") and c.status in ("fail", "error") and c.message:
+        if c.backend in (backend, "*") and c.status in ("fail", "error", "differs") and c.message:
             name = "backend" if c.invariant == "*" else c.invariant
             tags[f"invariant.{name}.message"] = c.message
     if backend in res.errors:

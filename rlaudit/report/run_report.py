@@ -16,10 +16,11 @@ from pathlib import Path
 
 from rlaudit.metrics import golden_names
 from rlaudit.report import render as R
+from rlaudit.scenarios.result import STATUS_ORDER as RESULT_STATUS_ORDER
 from rlaudit.scenarios.result import ScenarioResult
 
 #: invariant cells show the worst status of the checks that apply to the backend, in this order
-STATUS_ORDER = ("error", "fail", "pass", "n/a")
+STATUS_ORDER = RESULT_STATUS_ORDER
 #: subplots per row in the metrics-over-steps grid
 PLOT_COLUMNS = 4
 #: golden rows shown outside the collapsed "all rows" block (the failing ones come first)
@@ -62,6 +63,12 @@ def failures(res: ScenarioResult) -> list[str]:
     out += [f"golden {g.status.upper()} [{g.backend}]: {g.message}"
             for g in res.golden if g.status in ("fail", "stale", "blessed")]
     return out
+
+
+def declared(res: ScenarioResult) -> list[str]:
+    """Checks whose departure from the reference the target declared (status ``differs``)."""
+    return [f"{c.invariant} [{c.backend}]: {c.message}" for c in res.checks
+            if c.status == "differs"]
 
 
 # ---- plot --------------------------------------------------------------------------------------
@@ -166,6 +173,10 @@ def _html_scenario(res: ScenarioResult, png: bytes | None) -> str:
     if fails:
         out.append("<h3>Failures</h3><ul class=\"fail\">" +
                    "".join(f"<li><code>{R.esc(f)}</code></li>" for f in fails) + "</ul>")
+    diffs = declared(res)
+    if diffs:
+        out.append("<h3>Declared differences</h3><ul>" +
+                   "".join(f"<li><code>{R.esc(d)}</code></li>" for d in diffs) + "</ul>")
     for b, err in res.errors.items():
         tail = "\n".join(err.splitlines()[-TRACEBACK_LINES:])
         out.append(f"<h3>Backend {R.esc(b)} crashed</h3><pre>{R.esc(tail)}</pre>")
@@ -220,6 +231,9 @@ def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str]) -
         fails = failures(res)
         if fails:
             out += ["", "### Failures", ""] + [f"- `{R.md_escape(f)}`" for f in fails]
+        diffs = declared(res)
+        if diffs:
+            out += ["", "### Declared differences", ""] + [f"- `{R.md_escape(d)}`" for d in diffs]
         grows = golden_rows(res)
         if grows:
             n_bad = sum(not r.get("ok") for r in grows)

@@ -7,12 +7,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PASS, FAIL, NA, ERROR = "pass", "fail", "n/a", "error"
+#: a difference the target declared (rlaudit.targets.Difference): neither pass nor fail
+DIFFERS = "differs"
+#: worst first: how a cell holding several checks is summarised
+STATUS_ORDER = (ERROR, FAIL, DIFFERS, PASS, NA)
 
 
 @dataclass
 class CheckResult:
     """status: pass | fail | n/a (the check does not apply: a stage not provided, one backend
-    only for a parity check, ...) | error (the check itself could not run: a backend crashed).
+    only for a parity check, ...) | error (the check itself could not run: a backend crashed) |
+    differs (the result departs from the reference exactly where the target declared a semantic
+    difference with a reason and a link; ``details["differences"]`` names them).
 
     message: one line; for failures it names the metric/tensor, value, bound, step and backend.
     details: worst rows/tokens and figures (JSON-able).
@@ -27,7 +33,7 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        return self.status in (PASS, NA)
+        return self.status in (PASS, NA, DIFFERS)
 
 
 @dataclass

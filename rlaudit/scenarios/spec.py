@@ -75,15 +75,27 @@ class Scenario:
     tags: list[str] = field(default_factory=list)
     ref_model: Path | None = None
     """Reference policy snapshot (default: the initial actor, so KL starts at 0)."""
+    tol_floor: Tolerance | None = None
+    """Set when the scenario runs against a target (``rlaudit run --target``): the tolerance its
+    declared train precision allows (rlaudit.targets.declare); every tolerance is at least this."""
+    tol_overrides: dict[str, Tolerance] = field(default_factory=dict)
+    """A target's explicit run-level tolerance overrides, by metric/tensor name (win over all)."""
 
     def tol(self, name: str) -> Tolerance:
-        """Tolerance for a metric or tensor name: exact entry, else "default", else by dtype."""
+        """Tolerance for a metric or tensor name: a target's override, else the exact entry, else
+        "default", else by dtype; then at least :attr:`tol_floor`."""
+        if name in self.tol_overrides:
+            return self.tol_overrides[name]
         if name in self.tolerances:
-            return self.tolerances[name]
-        if "default" in self.tolerances:
-            return self.tolerances["default"]
-        d = DEFAULT_TOLERANCES[self.dtype]
-        return Tolerance(d["rtol"], d["atol"])
+            t = self.tolerances[name]
+        elif "default" in self.tolerances:
+            t = self.tolerances["default"]
+        else:
+            d = DEFAULT_TOLERANCES[self.dtype]
+            t = Tolerance(d["rtol"], d["atol"])
+        if self.tol_floor is not None:
+            t = Tolerance(max(t.rtol, self.tol_floor.rtol), max(t.atol, self.tol_floor.atol))
+        return t
 
 
 def _expect(cond: bool, msg: str, source: str, key: str) -> None:

@@ -14,8 +14,10 @@ docs/targets.md is the user guide.
 """
 
 from rlaudit.targets.adapter import STAGES, TargetAdapter, TrainStepOutput, load_adapter
+from rlaudit.targets.declare import Difference
 
-__all__ = ["STAGES", "TargetAdapter", "TrainStepOutput", "load_adapter", "run_target"]
+__all__ = ["STAGES", "Difference", "TargetAdapter", "TrainStepOutput", "load_adapter",
+           "run_target"]
 
 
 def __getattr__(name: str):

@@ -114,10 +114,25 @@ class TargetAdapter:
     name: str = ""
     advantage_estimators: tuple[str, ...] | None = None
     kl_estimators: tuple[str, ...] | None = None
-    loss_agg_modes: tuple[str, ...] | None = None
+    #: a tuple (every loss mode) or ``{loss_mode or "*": tuple}`` (capabilities per loss mode)
+    loss_agg_modes: tuple[str, ...] | Mapping[str, tuple[str, ...]] | None = None
     loss_modes: tuple[str, ...] | None = None
     distill_losses: tuple[str, ...] | None = None
     metric_names: tuple[str, ...] | None = None
+    # ---- declarations (rlaudit/targets/declare.py; docs/targets.md "Declaring your trainer")
+    #: arithmetic precision of the stage functions: "float64" | "float32" | "bfloat16"
+    precision: str = "float64"
+    #: train_step's model math: "hf-float64" (stock HF model in float64, float32 islands),
+    #: "float64" (exact, as rlaudit's backends), "float32", "bfloat16"
+    train_precision: str = "hf-float64"
+    #: per-stage precision overrides: {stage: precision}
+    stage_precision: Mapping[str, str] = {}
+    #: explicit tolerance overrides: {check | stage | invariant | metric name | "*": {rtol, atol}}
+    tolerances: Mapping[str, Any] = {}
+    #: "contribution" | "microbatch-mean" (how metrics are reduced over micro-batches)
+    metric_reduction: str = "contribution"
+    #: deliberate semantic differences from the reference (rlaudit.targets.Difference)
+    differences: tuple = ()
 
     def supports(self, config) -> tuple[bool, str]:
         """Whether ``train_step`` can run ``config``; (False, why) makes its variants n/a."""
@@ -153,13 +168,27 @@ def accepts(fn, param: str) -> bool:
     return param in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def supported_names(adapter: object, attr: str, reference) -> list[str]:
+def supported_names(adapter: object, attr: str, reference, *, key: str | None = None
+                    ) -> list[str]:
     """The names an adapter declares for a stage (``attr``, e.g. ``"loss_modes"``), or every
     name of ``reference`` (a registry: its canonical names; aliases are accepted when declared).
-    Unknown declared names raise InputError naming the attribute."""
+    Unknown declared names raise InputError naming the attribute.
+
+    ``attr`` may also map keys to names (``loss_agg_modes = {"gspo": ("seq-mean-token-mean",)}``:
+    capabilities per loss mode): ``key`` selects its entry, else the ``"*"`` entry, else every
+    name of ``reference``; ``key=None`` (a stage without a loss mode, e.g. agg_loss) reads
+    ``"*"`` the same way."""
     declared = getattr(adapter, attr, None)
+    if isinstance(declared, Mapping):
+        for k, names in declared.items():
+            _declared_names(adapter, f"{attr}[{k!r}]", names, reference)
+        declared = declared.get(key, declared.get("*")) if key is not None else declared.get("*")
     if declared is None:
         return list(reference)
+    return _declared_names(adapter, attr, declared, reference)
+
+
+def _declared_names(adapter: object, attr: str, declared, reference) -> list[str]:
     if isinstance(declared, str) or not all(isinstance(n, str) for n in declared):
         raise InputError(f"expected a tuple of names, got {declared!r}",
                          source=adapter_name(adapter), key=attr)
@@ -222,6 +251,8 @@ def load_adapter(spec: str) -> object:
                          key="--target") from None
     adapter = obj() if isinstance(obj, type) else obj
     adapter_name(adapter)  # validates ``name``
+    from rlaudit.targets.declare import validate
+    validate(adapter)      # precision, tolerances, differences: exit 2 before anything runs
     if not provided_stages(adapter):
         raise InputError(f"{spec} provides none of the stages {', '.join(STAGES)} "
                          f"(see docs/targets.md)", key="--target")

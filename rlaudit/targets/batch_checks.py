@@ -54,9 +54,13 @@ def microbatch_input() -> RolloutBatch:
 
 
 def _row_key(t: Mapping[str, torch.Tensor], i: int) -> tuple:
+    """A row's identity: its prompt and response tokens (every row of :func:`microbatch_input`
+    has a distinct first prompt token, so ``uid`` need not travel with it)."""
     pl, rl = int(t["prompt_lengths"][i]), int(t["response_lengths"][i])
-    return (int(t["uid"][i]), tuple(t["prompt_ids"][i, :pl].tolist()),
-            tuple(t["response_ids"][i, :rl].tolist()))
+    return (tuple(t["prompt_ids"][i, :pl].tolist()), tuple(t["response_ids"][i, :rl].tolist()))
+
+
+_KEY_FIELDS = ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths")
 
 
 def _same_mask(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -100,7 +104,7 @@ def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens):
 
 
 def _layouts(env: StageEnv, check: str, body) -> CheckResult:
-    t = Tally(check, env.name)
+    t = env.tally(check)
     batch = microbatch_input()
     for dp, mbs, tokens in LAYOUTS:
         label = _layout_label(dp, mbs, tokens)
@@ -125,7 +129,7 @@ def tokens_exactly_once(env: StageEnv) -> CheckResult:
             for j, mb in enumerate(micros):
                 mask = mb["response_mask"].bool()
                 for i in range(mask.shape[0]):
-                    key = _row_key(mb, i) if all(k in mb for k in ("uid", "prompt_ids")) else None
+                    key = (_row_key(mb, i) if all(k in mb for k in _KEY_FIELDS) else None)
                     if key in want and _same_mask(mask[i], want[key]):
                         seen[key] = seen.get(key, 0) + 1
                     elif bool(mask[i].any()):
@@ -154,26 +158,50 @@ def equal_count(env: StageEnv) -> CheckResult:
         "layouts give every rank the same count")
 
 
+def _signature(mb: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
+    """field -> (dtype, number of dims, trailing shape past [rows, width])."""
+    return {k: (v.dtype, v.dim(), tuple(v.shape[2:])) for k, v in mb.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _is_padding(mb: Mapping[str, torch.Tensor]) -> bool:
+    mask = mb.get("response_mask")
+    return isinstance(mask, torch.Tensor) and not bool(mask.bool().any())
+
+
 @stage_check("make_microbatches", "padding-complete", "seed")
 def padding_complete(env: StageEnv) -> CheckResult:
-    """Every micro-batch — padding ones included — carries every field of the batch (optional
-    and unknown ones too) with the batch's dtype and trailing shape; a padding micro-batch's
-    response mask is all False (SkyRL PR #1811: padding built from a hard-coded key list dropped
-    ``rollout_log_probs`` and the loss raised inside the distributed backward)."""
+    """Every micro-batch of a layout — padding ones (response mask all False) included — carries
+    every field of the trainer's own real micro-batches of that layout, with the same dtype,
+    number of dimensions and trailing shape (extra placeholder fields are harmless) (SkyRL PR #1811: padding built from a hard-coded key
+    list dropped ``rollout_log_probs`` and the loss raised inside the distributed backward).
+    The comparison is with the trainer's real micro-batches, not with rlaudit's field list: a
+    trainer need not carry fields it never uses, but its padding must look like its data."""
     def body(t, batch, label, dp, ranks):
         t.checked += 1
+        real = [(r, j, mb) for r, micros in enumerate(ranks) for j, mb in enumerate(micros)
+                if not _is_padding(mb)]
+        if not real:
+            t.fail(f"{label}: no micro-batch holds a valid token")
+            return
+        r0, j0, first = real[0]
+        want = _signature(first)
         for r, micros in enumerate(ranks):
             for j, mb in enumerate(micros):
-                missing = sorted(set(batch.tensors) - set(mb))
-                wrong = sorted(k for k in set(batch.tensors) & set(mb)
-                               if mb[k].dtype != batch[k].dtype
-                               or tuple(mb[k].shape[2:]) != tuple(batch[k].shape[2:])
-                               or (batch.kinds[k] == Kind.SEQ and mb[k].dim() != 1))
+                got = _signature(mb)
+                missing = sorted(set(want) - set(got))
+                wrong = sorted(k for k in set(want) & set(got) if got[k] != want[k])
+                # extra fields (placeholders a trainer fills on padding only) harm nothing
                 if missing or wrong:
-                    t.fail(f"{label}: rank {r} micro-batch {j}: missing {missing}, dtype or "
-                           f"trailing shape differs {wrong}")
+                    kind = "padding micro-batch" if _is_padding(mb) else "micro-batch"
+                    what = [f"missing {missing}" if missing else "",
+                            ("dtype/dims/trailing shape differ: " + ", ".join(
+                                f"{k} {got[k][0]} {got[k][2]} vs {want[k][0]} {want[k][2]}"
+                                for k in wrong)) if wrong else ""]
+                    t.fail(f"{label}: rank {r} {kind} {j} vs the real micro-batch {j0} of rank "
+                           f"{r0}: " + "; ".join(w for w in what if w))
     return _layouts(env, "make_microbatches:padding-complete", body).result(
-        "layouts give complete micro-batches")
+        "layouts give padding micro-batches like the real ones")
 
 
 # ---- train_step ------------------------------------------------------------------------------
@@ -215,7 +243,7 @@ def _not_run(check: str, env: StageEnv, runs) -> CheckResult | None:
     if isinstance(runs, str):
         return CheckResult(check, env.name, NA, runs)
     if isinstance(runs, AdapterRaised):
-        t = Tally(check, env.name)
+        t = env.tally(check)
         t.fail(f"on the built-in rollout: {runs}")
         return t.result("")
     return None
@@ -227,7 +255,7 @@ def train_metrics_copies(env: StageEnv) -> CheckResult:
     and a two-step run's first-step metrics equal a one-step run's: no returned metric is a view
     of state that later steps or calls update in place (e.g. a loss divided in place by the
     number of micro-batches after it was reported). Assumes train_step is deterministic."""
-    t = Tally("train_step:metrics-are-copies", env.name)
+    t = env.tally("train_step:metrics-are-copies")
     runs = _train_runs(env)
     if (skip := _not_run(t.check, env, runs)) is not None:
         return skip
@@ -256,7 +284,7 @@ def train_no_mutation(env: StageEnv) -> CheckResult:
     if (skip := _not_run(name, env, runs)) is not None:
         return skip
     unchanged = runs[0]
-    t = Tally(name, env.name)
+    t = env.tally(name)
     t.checked += 1
     if not unchanged:
         t.fail("train_step modified the batch it was given in place")

@@ -124,14 +124,17 @@ def default_cases() -> list[Case]:
     ]
 
 
-def with_garbage(case: Case, *, seed: int = 99) -> Case:
+def with_garbage(case: Case, *, seed: int = 99, keep: tuple[str, ...] = ()) -> Case:
     """The same case with values in ``[-GARBAGE_SCALE, GARBAGE_SCALE]`` (log-probs: in
-    ``[-GARBAGE_SCALE, 0]``) on every float field where ``response_mask`` is False."""
+    ``[-GARBAGE_SCALE, 0]``) on every float field where ``response_mask`` is False, except the
+    fields in ``keep`` (which a declared convention reads under the mask by design)."""
     g = torch.Generator().manual_seed(seed)
     out = dict(case.tensors)
     masked = ~case.mask
     for name in FLOAT_FIELDS:
         u = torch.rand(case.shape, generator=g, dtype=torch.float64)
+        if name in keep:
+            continue
         noise = (-u if "log_probs" in name else 2 * u - 1) * GARBAGE_SCALE
         out[name] = torch.where(masked, noise, case[name])
     return replace(case, name=f"{case.name}[garbage under mask]", tensors=out)

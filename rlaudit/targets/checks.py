@@ -26,11 +26,12 @@ from rlaudit.algo.kl import KL_ESTIMATORS, kl_penalty
 from rlaudit.algo.reward import apply_kl_in_reward
 from rlaudit.errors import InputError
 from rlaudit.scenarios.invariants.base import compare_tensors
-from rlaudit.scenarios.result import ERROR, FAIL, NA, PASS, CheckResult, ScenarioResult
+from rlaudit.scenarios.result import DIFFERS, ERROR, FAIL, NA, PASS, CheckResult, ScenarioResult
 from rlaudit.scenarios.spec import Tolerance
 from rlaudit.targets.adapter import (NOT_SUPPORTED, STAGES, accepts, adapter_name, has_stage,
                                      supported_names)
-from rlaudit.targets.cases import (Case, default_cases, fixed_permutation, split_rows,
+from rlaudit.targets.declare import Declarations, scaled, validate
+from rlaudit.targets.cases import (FLOAT_FIELDS, Case, default_cases, fixed_permutation, split_rows,
                                    with_garbage)
 from rlaudit.targets.guard import AdapterRaised, Guard
 
@@ -66,16 +67,30 @@ def stage_check(stage: str, prop: str, family: str):
 
 @dataclass
 class StageEnv:
-    """What a check needs: the adapter, the guard its calls go through, the inputs."""
+    """What a check needs: the adapter, its validated declarations, the guard its calls go
+    through, the inputs."""
 
     adapter: object
     guard: Guard = field(default_factory=Guard)
     cases: list[Case] = field(default_factory=default_cases)
     model_path: str | None = None
+    decl: Declarations | None = None
+
+    def __post_init__(self):
+        if self.decl is None:
+            self.decl = validate(self.adapter)
 
     @property
     def name(self) -> str:
         return adapter_name(self.adapter)
+
+    def tally(self, check: str) -> "Tally":
+        """A Tally for ``check`` with the adapter's tolerance and declared differences."""
+        return Tally(check, self.name, tol=self.decl.stage_tolerance(check), decl=self.decl)
+
+    def conventions(self, check: str) -> dict[str, str]:
+        """Conventions the reference computes under for ``check`` (declared differences)."""
+        return self.decl.conventions(check)
 
     def call(self, stage: str, *args, label: str = "", **kwargs):
         """The adapter's ``stage`` through the guard: ``(output, inputs_given)``."""
@@ -83,24 +98,38 @@ class StageEnv:
 
 
 class Tally:
-    """Accumulates one check's problems, skipped names and count of comparisons made."""
+    """Accumulates one check's problems, skipped names and count of comparisons made.
 
-    def __init__(self, check: str, backend: str):
-        self.check, self.backend = check, backend
+    ``tol``: the check's tolerance (the adapter's declared precision or override; atol scaled
+    by the magnitude of each compared quantity). ``decl``: the adapter's declarations; a
+    problem covered by a declared :class:`~rlaudit.targets.declare.Difference` is recorded as
+    declared, not as a problem, and the check reports ``differs`` if nothing else failed."""
+
+    def __init__(self, check: str, backend: str, *, tol: Tolerance = STAGE_TOL,
+                 decl: Declarations | None = None):
+        self.check, self.backend, self.tol, self.decl = check, backend, tol, decl
         self.problems: list[str] = []
+        self.declared: dict[str, list[str]] = {}
         self.skipped: dict[str, str] = {}
         self.checked = 0
         self.drift = 0.0
 
-    def compare(self, what: str, got, want, mask=None, tol: Tolerance = STAGE_TOL) -> bool:
+    def _problem(self, msg: str) -> None:
+        diff = self.decl.declared(self.check, msg) if self.decl is not None else None
+        if diff is None:
+            self.problems.append(msg)
+        else:
+            self.declared.setdefault(diff.name, []).append(msg)
+
+    def compare(self, what: str, got, want, mask=None, tol: Tolerance | None = None) -> bool:
         """Elementwise comparison on ``mask`` (valid tokens); records a problem on mismatch."""
         self.checked += 1
         if not isinstance(got, torch.Tensor):
             try:
                 got = torch.as_tensor(float(got), dtype=torch.float64)
             except (TypeError, ValueError):
-                self.problems.append(f"{what}: expected a tensor or number, got "
-                                     f"{type(got).__name__}")
+                self._problem(f"{what}: expected a tensor or number, got "
+                              f"{type(got).__name__}")
                 return False
         want = torch.as_tensor(want, dtype=torch.float64).detach()
         got = got.detach().double()
@@ -112,19 +141,20 @@ class Tally:
             bad = valid & ~torch.isfinite(got) & torch.isfinite(want)
             if bool(bad.any()):
                 where = [int(i) for i in bad.nonzero()[0]]
-                self.problems.append(f"{what}: {int(bad.sum())} non-finite value(s), first at "
-                                     f"{where} (expected {float(want[tuple(where)]):.6g})")
+                self._problem(f"{what}: {int(bad.sum())} non-finite value(s), first at "
+                              f"{where} (expected {float(want[tuple(where)]):.6g})")
                 return False
             rel = (got - want).abs() / want.abs().clamp_min(1e-12)
             rel = torch.where(valid & torch.isfinite(rel), rel, 0.0)
             self.drift = max(self.drift, float(rel.max()) if rel.numel() else 0.0)
+        tol = scaled(tol or self.tol, want, mask if got.shape == want.shape else None)
         ok, msg, _ = compare_tensors(what, got, want, tol, mask)
         if not ok:
-            self.problems.append(msg)
+            self._problem(msg)
         return ok
 
     def fail(self, msg: str) -> None:
-        self.problems.append(msg)
+        self._problem(msg)
 
     def skip(self, name: str, why: str) -> None:
         self.skipped[name] = why
@@ -133,15 +163,28 @@ class Tally:
         skipped = (f"; skipped (not supported): {', '.join(sorted(self.skipped))}"
                    if self.skipped else "")
         details = {"skipped": self.skipped} if self.skipped else {}
+        details["tolerance"] = {"rtol": self.tol.rtol, "atol": self.tol.atol}
+        tol = f" [rtol={self.tol.rtol:g}, atol={self.tol.atol:g} x magnitude]"
+        if self.declared:
+            details["differences"] = {
+                name: {"problems": msgs[:10], "count": len(msgs),
+                       "declared": next(d.describe() for d in self.decl.differences
+                                        if d.name == name)}
+                for name, msgs in self.declared.items()}
         if self.problems:
             more = len(self.problems) - MAX_QUOTED
             msg = "; ".join(self.problems[:MAX_QUOTED]) + (f" (+{more} more)" if more > 0 else "")
-            return CheckResult(self.check, self.backend, FAIL, msg,
+            return CheckResult(self.check, self.backend, FAIL, msg + tol,
                                {**details, "problems": self.problems[:50]}, self.drift)
         if not self.checked:
             return CheckResult(self.check, self.backend, NA,
                                f"nothing to check{skipped or ''}", details)
-        return CheckResult(self.check, self.backend, PASS, f"{self.checked} {what}{skipped}",
+        if self.declared:
+            parts = [f"{name} ({len(msgs)} comparison(s), e.g. {msgs[0]})"
+                     for name, msgs in self.declared.items()]
+            return CheckResult(self.check, self.backend, DIFFERS,
+                               "as declared: " + "; ".join(parts) + tol, details, self.drift)
+        return CheckResult(self.check, self.backend, PASS, f"{self.checked} {what}{skipped}{tol}",
                            details, self.drift)
 
 
@@ -172,6 +215,11 @@ def _grad_of(out: torch.Tensor, leaf: torch.Tensor, mask: torch.Tensor | None = 
 # ---- advantages ------------------------------------------------------------------------------
 
 #: estimator -> keyword settings exercised (gamma/lam below 1 so discounting shows)
+#: conventions compute_advantages takes (rlaudit.targets.declare.CONVENTIONS)
+ADV_CONVENTIONS = ("outcome_score", "grpo_std_eps")
+#: estimators that score whole rows (the outcome_score convention applies to them)
+OUTCOME_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+
 ESTIMATOR_SETTINGS = {
     "gae": [dict(gamma=0.9, lam=0.95)],
     "reinforce_plus_plus": [dict(gamma=0.9)],
@@ -209,14 +257,22 @@ def advantages_parity(env: StageEnv) -> CheckResult:
     estimator the adapter supports (gae with gamma=0.9, lam=0.95; grpo with and without std
     normalisation; ...), on ragged batches with singleton groups, non-contiguous uids, empty
     responses, masked holes and an all-masked row."""
-    t = Tally("compute_advantages:parity", env.name)
+    t = env.tally("compute_advantages:parity")
+    conv = env.conventions(t.check)
     for label, est, setting in _adv_runs(env):
-        for case in env.cases:
+        cases = list(env.cases)
+        if conv.get("outcome_score") == "unmasked-sum" and est in OUTCOME_ESTIMATORS:
+            # the convention reads rewards under the mask: give it some to read, so that an
+            # adapter declaring it without following it fails too
+            cases += [with_garbage(c, keep=tuple(f for f in FLOAT_FIELDS
+                                                 if f != "token_level_rewards")) for c in cases]
+        for case in cases:
             def one():
                 adv, ret = _adapter_adv(env, case, est, setting)
                 kw = _adv_kwargs(case, est, setting)
                 kw.pop("estimator")
-                want_adv, want_ret = ref_adv.compute_advantages(est, **kw)
+                want_adv, want_ret = ref_adv.compute_advantages(
+                    est, **kw, **{k: v for k, v in conv.items() if k in ADV_CONVENTIONS})
                 t.compare(f"{label} advantages on {case.name}", adv, want_adv, case.mask)
                 t.compare(f"{label} returns on {case.name}", ret, want_ret, case.mask)
             attempt(t, label, one, skip_as=est)
@@ -227,7 +283,7 @@ def advantages_parity(env: StageEnv) -> CheckResult:
 def advantages_permutation(env: StageEnv) -> CheckResult:
     """Permuting the rows (uids travel with their rows) permutes the advantages the same way:
     groups are found by uid, never by position."""
-    t = Tally("compute_advantages:row-permutation", env.name)
+    t = env.tally("compute_advantages:row-permutation")
     for label, est, setting in _adv_runs(env):
         for case in env.cases:
             if len(case.mask) < 2:
@@ -247,12 +303,16 @@ def advantages_permutation(env: StageEnv) -> CheckResult:
 def advantages_masked(env: StageEnv) -> CheckResult:
     """Rewards and values written where ``response_mask`` is False (finite garbage) change no
     advantage or return on a valid token."""
-    t = Tally("compute_advantages:masked-values", env.name)
+    t = env.tally("compute_advantages:masked-values")
+    # under the declared convention outcome_score=unmasked-sum, rewards under the mask are read
+    # by design: garbage then goes only where the convention still ignores it
+    unmasked = (env.conventions(t.check).get("outcome_score") == "unmasked-sum")
     for label, est, setting in _adv_runs(env):
+        keep = ("token_level_rewards",) if unmasked and est in OUTCOME_ESTIMATORS else ()
         for case in env.cases:
             def one():
                 adv, ret = _adapter_adv(env, case, est, setting)
-                adv_g, ret_g = _adapter_adv(env, with_garbage(case), est, setting)
+                adv_g, ret_g = _adapter_adv(env, with_garbage(case, keep=keep), est, setting)
                 t.compare(f"{label} advantages on {case.name} with garbage under the mask",
                           adv_g, adv.detach(), case.mask)
                 t.compare(f"{label} returns on {case.name} with garbage under the mask",
@@ -270,11 +330,13 @@ def _kl_reward_runs(env: StageEnv):
     for kind in supported_names(env.adapter, "kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def run(kind=kind, case=case):
+                extra = ({"response_lengths": case["response_lengths"]}
+                         if accepts(env.adapter.apply_kl_in_reward, "response_lengths") else {})
                 out, _ = env.call("apply_kl_in_reward", label=f"{kind} on {case.name}",
                                   token_level_scores=case["token_level_scores"],
                                   old_log_probs=case["old_log_probs"],
                                   ref_log_probs=case["ref_log_probs"], response_mask=case.mask,
-                                  kl_coef=KL_COEF, kl_penalty=kind)
+                                  kl_coef=KL_COEF, kl_penalty=kind, **extra)
                 rewards, kl = out
                 want_r, want_kl = apply_kl_in_reward(
                     case["token_level_scores"], case["old_log_probs"], case["ref_log_probs"],
@@ -288,7 +350,7 @@ def stored_kl_unaltered(env: StageEnv) -> CheckResult:
     """The KL the stage returns for storage (what ``rollout/kl`` later logs) is the KL estimate
     ``kl_penalty(old_log_probs, ref_log_probs)`` on every valid token, not the shaped reward
     (slime PR #2114: the reward was built in place in a tensor aliasing the stored KL)."""
-    t = Tally("apply_kl_in_reward:stored-kl-unaltered", env.name)
+    t = env.tally("apply_kl_in_reward:stored-kl-unaltered")
     for kind, case, run in _kl_reward_runs(env):
         def one():
             _, kl, _, want_kl = run()
@@ -301,7 +363,7 @@ def stored_kl_unaltered(env: StageEnv) -> CheckResult:
 def kl_reward_parity(env: StageEnv) -> CheckResult:
     """``token_level_rewards = token_level_scores - kl_coef * kl`` on every valid token, for every
     KL estimator the adapter supports."""
-    t = Tally("apply_kl_in_reward:parity", env.name)
+    t = env.tally("apply_kl_in_reward:parity")
     for kind, case, run in _kl_reward_runs(env):
         def one():
             rewards, _, want_r, _ = run()
@@ -317,7 +379,7 @@ def kl_penalty_parity(env: StageEnv) -> CheckResult:
     """Every KL estimator's per-token value and its gradient with respect to ``log_prob`` equal
     the reference's on valid tokens (straight-through ``k1+``/``k3+``: value of k1/k3, gradient
     of k2)."""
-    t = Tally("kl_penalty:parity", env.name)
+    t = env.tally("kl_penalty:parity")
     for kind in supported_names(env.adapter, "kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def one(kind=kind, case=case):
@@ -345,6 +407,16 @@ def _agg(env: StageEnv, loss_mat, mask, mode, denominators=None, label=""):
     return out, given["loss_mat"]
 
 
+def _own_counts(env: StageEnv, check: str, mask: torch.Tensor, norm_len=None
+                ) -> Denominators | None:
+    """The counts a batch's own aggregation divides by, under the declared ``seq_count``
+    convention (None: the reference's default, rows with a valid token)."""
+    seq_count = env.conventions(check).get("seq_count", "valid-rows")
+    if seq_count == "valid-rows" and norm_len is None:
+        return None
+    return Denominators.of(mask, norm_len=norm_len, seq_count=seq_count)
+
+
 def _loss_input(case: Case) -> torch.Tensor:
     return (case["log_probs"] - case["old_log_probs"]) * case["advantages"]
 
@@ -354,14 +426,14 @@ def agg_parity(env: StageEnv) -> CheckResult:
     """Every ``loss_agg_mode`` gives the reference's value and gradient (docs/internals.md table;
     ``seq-mean-token-sum-norm`` divides by the width R), and a batch without any valid token
     gives 0, not NaN."""
-    t = Tally("agg_loss:parity", env.name)
+    t = env.tally("agg_loss:parity")
     for mode in supported_names(env.adapter, "loss_agg_modes", AGG_MODES):
         for case in env.cases:
             def one(mode=mode, case=case):
                 lm = _loss_input(case).requires_grad_(True)
                 out, leaf = _agg(env, lm, case.mask, mode, label=f"{mode} on {case.name}")
                 ref_leaf = lm.detach().clone().requires_grad_(True)
-                want = agg_loss(ref_leaf, case.mask, mode)
+                want = agg_loss(ref_leaf, case.mask, mode, _own_counts(env, t.check, case.mask))
                 t.compare(f"{mode} on {case.name}", out, want.detach())
                 t.compare(f"{mode} gradient on {case.name}", _grad_of(out, leaf),
                           _grad_of(want, ref_leaf), case.mask)
@@ -382,14 +454,14 @@ def agg_global_split(env: StageEnv) -> CheckResult:
     results (and gradients) sum to the adapter's own whole-batch value: the loss is normalised
     globally, never per micro-batch (a token-mean per micro-batch then averaged weighs short
     micro-batches up). n/a when ``agg_loss`` takes no ``denominators``."""
-    t = Tally("agg_loss:global-split", env.name)
+    t = env.tally("agg_loss:global-split")
     if not accepts(env.adapter.agg_loss, "denominators"):
         return CheckResult(t.check, env.name, NA, "agg_loss takes no `denominators` argument")
     for mode in supported_names(env.adapter, "loss_agg_modes", AGG_MODES):
         for case in env.cases:
             def one(mode=mode, case=case):
                 lm = _loss_input(case)
-                denom = Denominators.of(case.mask, norm_len=case.shape[1])
+                denom = _own_counts(env, t.check, case.mask, norm_len=case.shape[1])
                 leaf = lm.clone().requires_grad_(True)
                 whole, whole_leaf = _agg(env, leaf, case.mask, mode, label=f"{mode} whole batch")
                 whole_grad = _grad_of(whole, whole_leaf)
@@ -423,11 +495,16 @@ def _no_mutation_check(stage: str) -> None:
             more = len(problems) - MAX_QUOTED
             return CheckResult(name, env.name, FAIL, "; ".join(problems[:MAX_QUOTED]) +
                                (f" (+{more} more)" if more > 0 else ""), {"problems": problems})
+        notes = list(dict.fromkeys(env.guard.notes.get(stage, [])))
+        note = (f" (note: {'; '.join(notes[:2])}: harmless unless one is later written in "
+                f"place)") if notes else ""
         return CheckResult(name, env.name, PASS, f"{calls} calls: inputs unchanged (values and "
-                           f"version counters), outputs alias neither inputs nor each other")
+                           f"version counters), no output aliases an input{note}",
+                           {"notes": notes} if notes else {})
     check.__doc__ = (f"Across every call the other checks made, ``{stage}`` never modified an "
                      f"input in place (values and ``tensor._version``) and returned no output "
-                     f"sharing storage with an input or another output.")
+                     f"sharing storage with an input (outputs sharing storage with each other "
+                     f"are noted).")
 
 
 for _stage in STAGES:

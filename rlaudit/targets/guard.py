@@ -7,10 +7,14 @@ checks, and the bug is charged to the no-mutation check only), then records, per
 
 - an input whose values or ``tensor._version`` changed (an in-place write, even one that wrote the
   same values back);
-- an output that shares storage with an input (``untyped_storage().data_ptr()``), or a per-token
-  output sharing storage with another output (e.g. ``return adv, adv``: a later in-place update of
-  one changes the other). Scalar outputs viewing one tensor (metrics unpacked from a stacked
-  vector) are not flagged; metrics-are-copies checks whether such a tensor is reused later.
+- an output that shares storage with an input (``untyped_storage().data_ptr()``): the caller's
+  data and the stage's result are then one tensor, and the next in-place update corrupts both.
+
+Outputs sharing storage with *each other* (verl returns one tensor as both advantages and
+returns for outcome estimators) are recorded as a note, not a problem: nothing the caller gave
+is at risk, and the value checks see any harm it does. Scalar outputs viewing one tensor
+(metrics unpacked from a stacked vector) are not noted; metrics-are-copies checks whether such a
+tensor is reused later.
 
 Micro-batches returned by ``make_microbatches`` may be views of the input batch (most trainers
 slice rather than copy); for that stage only input mutation is checked.
@@ -76,6 +80,7 @@ class Guard:
 
     def __init__(self):
         self.problems: dict[str, list[str]] = defaultdict(list)
+        self.notes: dict[str, list[str]] = defaultdict(list)
         self.calls: dict[str, int] = defaultdict(int)
 
     def call(self, stage: str, fn: Callable, *args, label: str = "", **kwargs):
@@ -124,7 +129,6 @@ class Guard:
             elif t.numel() == 1:
                 continue    # scalars viewing one fresh tensor (stacked metrics) are harmless
             elif p in seen_out:
-                self.problems[stage].append(
-                    f"outputs {seen_out[p]} and {path} share storage{where}")
+                self.notes[stage].append(f"outputs {seen_out[p]} and {path} share storage")
             else:
                 seen_out[p] = path

@@ -60,17 +60,22 @@ def _floats(metrics: dict) -> dict:
     return {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
 
 
-def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None):
+def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None,
+                   conventions=None):
+    """(loss, metrics, gradient) of the reference; under the declared ``conventions`` (a
+    ``seq_count`` of "all-rows" counts every row in N_seq)."""
     kw = _policy_kwargs(case, loss_mode, agg, clip)
+    if denominators is None and (conventions or {}).get("seq_count", "valid-rows") != "valid-rows":
+        denominators = Denominators.of(case.mask, norm_len=case.shape[1],
+                                       seq_count=conventions["seq_count"])
     loss, metrics = _ORACLE.policy_loss(**kw, denominators=denominators)
     return loss.detach(), metrics, _grad_of(loss, kw["log_prob"])
 
 
 def _policy_runs(env: StageEnv, clips=CLIP_SETTINGS):
     modes = supported_names(env.adapter, "loss_modes", POLICY_LOSSES)
-    aggs = supported_names(env.adapter, "loss_agg_modes", AGG_MODES)
     for mode in modes:
-        for agg in aggs:
+        for agg in supported_names(env.adapter, "loss_agg_modes", AGG_MODES, key=mode):
             for clip in clips:
                 yield f"{mode}/{agg} clip={clip}", mode, agg, clip
 
@@ -81,12 +86,13 @@ def policy_parity(env: StageEnv) -> CheckResult:
     metrics (``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
     ``actor/pg_loss``, when present) equal the reference's for every loss mode, aggregation mode
     and asymmetric clip setting (``clip_ratio_high != clip_ratio_low``)."""
-    t = Tally("policy_loss:parity", env.name)
+    t = env.tally("policy_loss:parity")
     for label, mode, agg, clip in _policy_runs(env):
         for case in env.cases:
             def one():
                 loss, metrics, grad = _adapter_policy(env, case, mode, agg, clip)
-                w_loss, w_metrics, w_grad = _oracle_policy(case, mode, agg, clip)
+                w_loss, w_metrics, w_grad = _oracle_policy(case, mode, agg, clip,
+                                                           conventions=env.conventions(t.check))
                 t.compare(f"{label} loss on {case.name}", loss, w_loss)
                 t.compare(f"{label} gradient on {case.name}", grad, w_grad)
                 for name in POLICY_METRICS:
@@ -99,33 +105,47 @@ def policy_parity(env: StageEnv) -> CheckResult:
 
 @stage_check("policy_loss", "global-split", "metamorphic")
 def policy_global_split(env: StageEnv) -> CheckResult:
-    """With the whole batch's ``Denominators`` passed to each micro-batch, the micro-batch losses,
-    gradients and metrics sum to the adapter's own whole-batch values (global normalisation; a
-    per-micro-batch token-mean fails this). n/a when ``policy_loss`` takes no ``denominators``."""
-    t = Tally("policy_loss:global-split", env.name)
+    """With the whole batch's ``Denominators`` passed to each micro-batch, the micro-batch losses
+    and gradients sum to the adapter's own whole-batch values (global normalisation; a
+    per-micro-batch token-mean fails this), and so do the metrics — or, for an adapter that
+    declares ``metric_reduction = "microbatch-mean"``, each micro-batch's metrics equal the
+    reference's metrics of that micro-batch alone (its local means). n/a when ``policy_loss``
+    takes no ``denominators``."""
+    t = env.tally("policy_loss:global-split")
     if not accepts(env.adapter.policy_loss, "denominators"):
         return CheckResult(t.check, env.name, NA, "policy_loss takes no `denominators` argument")
+    local = {n for n in POLICY_METRICS if env.decl.metric_mode(n) == "microbatch-mean"}
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         for case in env.cases:
             def one():
-                denom = Denominators.of(case.mask, norm_len=case.shape[1])
+                denom = Denominators.of(case.mask, norm_len=case.shape[1],
+                                        seq_count=env.conventions(t.check).get(
+                                            "seq_count", "valid-rows"))
                 w_loss, w_metrics, w_grad = _adapter_policy(env, case, mode, agg, clip,
                                                             label=f"{label} whole batch")
                 w_metrics = _floats(w_metrics)      # values as returned (before later calls)
                 total, grad, sums = 0.0, torch.zeros_like(w_grad), {}
                 for rows in split_rows(len(case.mask)):
-                    loss, metrics, g = _adapter_policy(env, case.rows(rows), mode, agg, clip,
+                    part = case.rows(rows)
+                    loss, metrics, g = _adapter_policy(env, part, mode, agg, clip,
                                                        denom, label=f"{label} rows {rows.tolist()}")
                     total += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
                     grad[rows] = g
+                    if local:   # these metrics: each micro-batch reports its own local means
+                        _, want, _ = _oracle_policy(part, mode, agg, clip,
+                                                    conventions=env.conventions(t.check))
+                        for name in local & set(metrics):
+                            if bool(part.mask.any()):
+                                t.compare(f"{label} on {part.name}: micro-batch {name} (its "
+                                          f"local mean)", metrics[name], want[name])
                     for name in POLICY_METRICS:
-                        if name in metrics:
+                        if name in metrics and name not in local:
                             sums[name] = sums.get(name, 0.0) + float(metrics[name])
                 t.compare(f"{label} on {case.name}: sum of micro-batch losses", total,
                           w_loss.detach() if isinstance(w_loss, torch.Tensor) else w_loss)
                 t.compare(f"{label} on {case.name}: micro-batch gradients", grad, w_grad)
                 for name, value in sums.items():
-                    if name in w_metrics:
+                    if name in w_metrics and name not in local:
                         t.compare(f"{label} on {case.name}: sum of micro-batch {name}", value,
                                   w_metrics[name])
             attempt(t, label, one, skip_as=mode)
@@ -135,7 +155,7 @@ def policy_global_split(env: StageEnv) -> CheckResult:
 @stage_check("policy_loss", "row-permutation", "metamorphic")
 def policy_permutation(env: StageEnv) -> CheckResult:
     """Permuting rows leaves the loss unchanged and permutes its gradient the same way."""
-    t = Tally("policy_loss:row-permutation", env.name)
+    t = env.tally("policy_loss:row-permutation")
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         for case in env.cases:
             if len(case.mask) < 2:
@@ -155,7 +175,7 @@ def policy_permutation(env: StageEnv) -> CheckResult:
 def policy_masked(env: StageEnv) -> CheckResult:
     """Log-probs and advantages written where ``response_mask`` is False (finite garbage) change
     neither the loss, nor the metrics, nor the gradient; the gradient on masked tokens is 0."""
-    t = Tally("policy_loss:masked-values", env.name)
+    t = env.tally("policy_loss:masked-values")
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         for case in env.cases:
             def one():
@@ -179,7 +199,7 @@ def policy_masked(env: StageEnv) -> CheckResult:
 def policy_metrics_copies(env: StageEnv) -> CheckResult:
     """The loss and metrics a call returned keep their values when the adapter is called again
     on other inputs (a metric returned as a view of a buffer the adapter reuses changes later)."""
-    t = Tally("policy_loss:metrics-are-copies", env.name)
+    t = env.tally("policy_loss:metrics-are-copies")
     first, second = env.cases[0], env.cases[1 % len(env.cases)]
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         def one():
@@ -211,7 +231,7 @@ def _distill_case(env: StageEnv):
 def distill_parity(env: StageEnv) -> CheckResult:
     """Padded-input distillation losses (per-token values and gradients with respect to the
     student's log-probs) equal the reference's on valid tokens."""
-    t = Tally("distill_loss:parity", env.name)
+    t = env.tally("distill_loss:parity")
     lengths, width, mask, (s_k, t_k, s_1, t_1) = _distill_case(env)
     for name in supported_names(env.adapter, "distill_losses", DISTILL_LOSSES):
         s, teacher = (s_k, t_k) if name == "forward_kl_topk" else (s_1, t_1)

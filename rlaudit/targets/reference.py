@@ -39,6 +39,9 @@ class ReferenceAdapter(TargetAdapter):
     #: registry name of the backend that runs train_step / replay, and its layout
     backend = "reference"
     layout: dict[str, int] = {}
+    #: rlaudit's backends compute in exact float64 (rlaudit/model/exact.py): the scenarios' own
+    #: tolerances apply, no floor
+    train_precision = "float64"
 
     # ---- math stages -------------------------------------------------------------------------
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,

@@ -33,12 +33,16 @@ from rlaudit.scenarios.engine import build_variants, check_sampling_matches
 from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
 from rlaudit.scenarios.invariants.parity import ORACLE
 from rlaudit.scenarios.invariants.compare import compare_runs
-from rlaudit.scenarios.result import ERROR, FAIL, NA, PASS, CheckResult, ScenarioResult
+from rlaudit.scenarios.invariants.metamorphic import cut_invariant_metrics
+from rlaudit.scenarios.invariants.base import with_overrides
+from rlaudit.scenarios.result import (DIFFERS, ERROR, FAIL, NA, PASS, CheckResult,
+                                      ScenarioResult)
 from rlaudit.scenarios.spec import Scenario
 from rlaudit.targets import builtin
 from rlaudit.targets.adapter import adapter_name, has_stage, load_adapter
 from rlaudit.targets.backend_adapter import AdapterBackend, missing
 from rlaudit.targets.checks import run_stage_checks
+from rlaudit.targets.declare import Declarations, validate
 
 #: invariants that compare the target with the reference run by run
 PARITY_INVARIANTS = ("backend-parity", "dp-invariance")
@@ -92,6 +96,7 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
     t0 = time.perf_counter()
     target = AdapterBackend(adapter)
     name = target.name
+    scn = declared_scenario(scn, validate(adapter))
     scn = dataclasses.replace(
         scn, backends={name: dict(getattr(adapter, "layout", {}) or {}), ORACLE: {}},
         invariants=list(invariants or scn.invariants))
@@ -121,13 +126,75 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
             res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0], {"traceback": err}))
+    decl = validate(adapter)
+    if decl.noise() and ORACLE in runs:
+        attach_noise_floor(runs, scn, variants, decl.noise())
     ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
                        variants=variants)
     for inv in scn.invariants:
-        res.checks.extend(check_invariant(inv, ctx, name, adapter, target.skipped))
+        res.checks.extend(apply_differences(check_invariant(inv, ctx, name, adapter,
+                                                            target.skipped), name, decl))
     res.runs = runs
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:
+    """``scn`` as run against a target with declarations ``decl``: tolerances at least the
+    target's train precision's (its explicit run-level overrides win), and the reference set to
+    compute as the target declares (its conventions and metric reduction become config values
+    of every variant, for the reference replay too)."""
+    config = scn.config
+    overrides = decl.config_overrides()
+    if overrides:
+        config = with_overrides(config, **overrides)
+    return dataclasses.replace(scn, config=config, tol_floor=decl.run_floor(),
+                               tol_overrides={**scn.tol_overrides, **decl.run_overrides()})
+
+
+def attach_noise_floor(runs: dict, scn: Scenario, variants, noise: float) -> None:
+    """Replay every variant on the reference with its weights perturbed by ``noise`` (the unit
+    roundoff of the target's precision) and attach each result as ``run.noise`` to the runs of
+    that variant on every backend: comparisons then allow a multiple of the spread rounding
+    causes in this scenario (rlaudit.scenarios.invariants.compare.NOISE_FACTOR)."""
+    request = ReplayRequest(model=str(scn.model), variants=variants,
+                            ref_model=str(scn.ref_model) if scn.ref_model else None,
+                            layout={}, dtype=scn.dtype, device=scn.device, weight_noise=noise)
+    noisy = get_backend(ORACLE).replay(request)
+    for backend_runs in runs.values():
+        for name, run in backend_runs.items():
+            if name in noisy:
+                run.noise = noisy[name]
+
+
+def apply_differences(results: list[CheckResult], target: str, decl: Declarations
+                      ) -> list[CheckResult]:
+    """A failing result of ``target`` whose every problem is a declared difference (without a
+    convention) becomes ``differs``; any undeclared problem keeps it a failure."""
+    out = []
+    for r in results:
+        if r.status != FAIL or r.backend != target or not decl.differences:
+            out.append(r)
+            continue
+        problems = [f["message"] for f in r.details.get("failures", [])
+                    if isinstance(f, dict) and f.get("message")] or [r.message]
+        found = {}
+        for p in problems:
+            d = decl.declared(r.invariant, p)
+            if d is None:
+                found = None
+                break
+            found.setdefault(d.name, (d, []))[1].append(p)
+        if not found:
+            out.append(r)
+            continue
+        details = {**r.details, "differences": {
+            n: {"declared": d.describe(), "count": len(ps), "problems": ps[:10]}
+            for n, (d, ps) in found.items()}}
+        msg = "as declared: " + "; ".join(f"{n} ({len(ps)} problem(s), e.g. {ps[0]})"
+                                          for n, (_, ps) in found.items())
+        out.append(dataclasses.replace(r, status=DIFFERS, message=msg, details=details))
+    return out
 
 
 def check_invariant(inv_name: str, ctx: CheckContext, target: str, adapter: object,
@@ -142,6 +209,11 @@ def check_invariant(inv_name: str, ctx: CheckContext, target: str, adapter: obje
         universe = metric_universe(runs, adapter)
         needed = [v.name for v in inv.variants(ctx.scenario, ctx.batch)] or ["base"]
         absent = [v for v in needed if v not in runs]
+        present = [v for v in needed if v in runs]
+        if inv.partial and absent and needed[0] in runs and len(present) >= 2:
+            # alternatives to a baseline (needed[0]): check the variants the target ran; the
+            # invariant names the others n/a in its message
+            needed, absent = present, []
         configs = {v.name: v.config for v in ctx.variants}
         why = ("variant(s) not run by the target: " + "; ".join(
             f"{v} ({skipped.get(v, 'not returned')})" for v in absent[:2])
@@ -175,7 +247,12 @@ def target_parity(inv_name: str, ctx: CheckContext, target: str,
     failures, details, drift = [], {}, 0.0
     common = [v for v in got if v in ref]
     for v in common:
-        c = compare_runs(ctx.scenario, got[v], ref[v], mask=masks[v], label=f"variant {v}")
+        # a target laid out over several DP ranks cuts micro-batches unlike the one-rank
+        # reference: metrics reduced as micro-batch means then differ by definition
+        metrics = (cut_invariant_metrics(ctx.scenario, ref[v])
+                   if ctx.scenario.backends[target].get("dp", 1) > 1 else None)
+        c = compare_runs(ctx.scenario, got[v], ref[v], mask=masks[v], metrics=metrics,
+                         label=f"variant {v}")
         drift = max(drift, c.drift)
         failures += c.failures
         details.setdefault("failures", []).extend(c.details.get("failures", []))

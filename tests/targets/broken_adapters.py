@@ -19,6 +19,19 @@ from rlaudit.targets.reference import ReferenceAdapter
 
 # ---- stage-level -------------------------------------------------------------------------------
 
+class RewardsAliasScores(ReferenceAdapter):
+    """Adds the KL penalty into the caller's ``token_level_scores`` tensor and returns it as the
+    rewards: the scores the caller keeps are overwritten (an input mutated and aliased)."""
+
+    name = "rewards-alias-scores"
+
+    def apply_kl_in_reward(self, *, token_level_scores, old_log_probs, ref_log_probs,
+                           response_mask, kl_coef, kl_penalty):
+        kl = kl_estimate(old_log_probs, ref_log_probs, kl_penalty) * response_mask
+        token_level_scores -= kl_coef * kl
+        return token_level_scores, kl
+
+
 class StoredKLInPlace(ReferenceAdapter):
     """slime PR #2114: the reward is built in place in the tensor that is stored (and logged as
     rollout/kl): ``k = kl; k *= -coef; k += scores``."""
@@ -157,8 +170,8 @@ class MutatesRewards(ReferenceAdapter):
 
 
 class AliasedAdvantagesReturns(ReferenceAdapter):
-    """Returns the same tensor as advantages and returns (a later in-place update of one, e.g.
-    by a critic, silently changes the other)."""
+    """Returns the same tensor as advantages and returns, as verl does for outcome estimators.
+    Not a bug by itself (the caller's inputs are safe): a note, not a failure."""
 
     name = "aliased-outputs"
     #: outcome estimators, whose returns equal their advantages (so only the aliasing is wrong)

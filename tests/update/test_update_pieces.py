@@ -113,3 +113,51 @@ def test_plan_micro_padding_and_global_denominators():
         assert set(pad.keys()) == set(batch.keys()) and not pad.mask.any()
     valid_rows = sum(1 for i in range(len(batch)) if batch.mask[i].any())
     assert plan.denom.tokens == int(batch.mask.sum()) and plan.denom.seqs == valid_rows
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_microbatch_mean_metrics_are_each_micro_batch_local_value(mode):
+    """trainer.metric_reduction = microbatch-mean (a target's convention): the loss is still the
+    global contribution; the metrics' local values are the micro-batch's own aggregation (naive
+    loops)."""
+    batch, lp, adv, ent = _random_batch(11)
+    cfg = load_config({"actor": {"loss_agg_mode": mode, "calculate_entropy": True,
+                                 "entropy_coeff": 0.05}})
+    denom = Denominators.of(batch.mask, norm_len=batch.response_width)
+    total = 0.0
+    for rows in ([0, 1], [2], [3, 4, 5]):
+        micro = batch.select(rows)
+        local = Denominators.of(micro.mask, norm_len=batch.response_width)
+        out = {"log_probs": lp[rows], "entropy": ent[rows]}
+        loss, stats = actor_loss(micro, out, cfg=cfg, denom=denom, stat_denom=local)
+        ref_loss, _ = actor_loss(micro, out, cfg=cfg, denom=denom)
+        assert float(loss) == float(ref_loss)            # the update is unchanged
+        total += float(loss)
+        if not micro.mask.any():
+            continue
+        pg = naive_agg(-adv[rows], micro.mask, mode)
+        h = naive_agg(ent[rows], micro.mask, mode)
+        assert float(stats["actor/pg_loss@local"]) == pytest.approx(pg, abs=1e-12)
+        assert float(stats["actor/entropy@local"]) == pytest.approx(h, abs=1e-12)
+        assert float(stats["actor/loss@local"]) == pytest.approx(pg - 0.05 * h, abs=1e-12)
+        # the contributions are reported too, unchanged
+        ref_stats = actor_loss(micro, out, cfg=cfg, denom=denom)[1]
+        assert all(float(stats[k]) == float(v) for k, v in ref_stats.items())
+    want = naive_agg(-adv, batch.mask, mode) - 0.05 * naive_agg(ent, batch.mask, mode)
+    assert total == pytest.approx(want, abs=1e-12)
+
+
+def test_metric_accumulator_microbatch_means_skip_padding():
+    from rlaudit.update.stats import MetricAccumulator
+
+    class OneRank:
+        def all_reduce(self, t, op="sum"):
+            return t
+    acc = MetricAccumulator()
+    s = lambda v: {"actor/pg_loss": torch.tensor(v, dtype=torch.float64)}
+    acc.add_micro_means(OneRank(), [s(1.0), s(3.0), s(0.0)], real=2)   # the third is padding
+    acc.add_step({"actor/grad_norm": 2.0})
+    acc.add_micro_means(OneRank(), [s(8.0)], real=1)
+    acc.add_step({"actor/grad_norm": 4.0})
+    # (1 + 3 + 8) / 3 micro-batches; grad_norm per optimizer step: (2 + 4) / 2
+    assert acc.mean() == {"actor/pg_loss": 4.0, "actor/grad_norm": 3.0}

@@ -71,18 +71,21 @@ class Invariant:
     check: Callable[[CheckContext], list[CheckResult]]
     variants: Callable[[Scenario, RolloutBatch], list[Variant]] = lambda scn, batch: []
     doc: str = ""
+    partial: bool = False
+    """Its variants are alternatives (each compared with the baseline on its own): a backend
+    that cannot run some of them is still checked on the others (named in the message)."""
 
 
 INVARIANTS: Registry = Registry("invariant")
 
 
-def invariant(name: str, family: str, *, variants=None):
+def invariant(name: str, family: str, *, variants=None, partial: bool = False):
     """Register ``check`` (whose docstring is the invariant's documentation)."""
 
     def deco(check):
         inv = Invariant(name=name, family=family, check=check,
                         variants=variants or (lambda scn, batch: []),
-                        doc=(check.__doc__ or "").strip())
+                        doc=(check.__doc__ or "").strip(), partial=partial)
         INVARIANTS.register(name)(inv)
         return check
 
@@ -119,9 +122,11 @@ def rel_diff(got: torch.Tensor | float, want: torch.Tensor | float) -> float:
 
 
 def compare_tensors(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tolerance,
-                    mask: torch.Tensor | None = None, *, top: int = 3) -> tuple[bool, str, dict]:
-    """Elementwise |got - want| <= atol + rtol*|want| where ``mask``; message names the worst
-    (row, token) entries."""
+                    mask: torch.Tensor | None = None, *, top: int = 3,
+                    slack: torch.Tensor | float = 0.0) -> tuple[bool, str, dict]:
+    """Elementwise |got - want| <= atol + rtol*|want| + slack where ``mask``; message names the
+    worst (row, token) entries. ``slack`` (a scalar or a tensor like ``want``): a measured noise
+    floor (rlaudit.scenarios.invariants.compare.NOISE_FACTOR)."""
     got = got.double()
     want = want.double()
     if got.shape != want.shape:
@@ -130,7 +135,7 @@ def compare_tensors(name: str, got: torch.Tensor, want: torch.Tensor, tol: Toler
         mask = torch.ones_like(got, dtype=torch.bool)
     mask = mask.bool()
     err = (got - want).abs()
-    bound = tol.atol + tol.rtol * want.abs()
+    bound = tol.atol + tol.rtol * want.abs() + slack
     excess = torch.where(mask, err - bound, torch.full_like(err, -float("inf")))
     # NaN/inf where the expectation is finite is a failure (NaN > bound would be False)
     nonfinite = mask & ~torch.isfinite(got) & torch.isfinite(want)
@@ -149,9 +154,12 @@ def compare_tensors(name: str, got: torch.Tensor, want: torch.Tensor, tol: Toler
         worst.append({"index": pos, "got": float(got.flatten()[i]), "want": float(want.flatten()[i])})
     details["worst"] = worst
     w = worst[0]
+    floor = ""
+    if isinstance(slack, torch.Tensor) or slack:
+        floor = f", noise floor up to {float(torch.as_tensor(slack).max()):.2g}"
     return False, (f"{name}: {int(bad.sum())} entries out of tolerance (rtol={tol.rtol:g}, "
-                   f"atol={tol.atol:g}); worst at {w['index']}: {w['got']:.6g} vs {w['want']:.6g}"
-                   ), details
+                   f"atol={tol.atol:g}{floor}); worst at {w['index']}: {w['got']:.6g} vs "
+                   f"{w['want']:.6g}"), details
 
 
 def result(inv: str, backend: str, ok: bool, message: str, details=None, drift=None) -> CheckResult:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from rlaudit.scenarios.invariants.base import CheckContext, invariant, not_applicable, result
 from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.scenarios.invariants.metamorphic import cut_invariant_metrics
 
 ORACLE = "reference"
 
 
-def _parity(ctx: CheckContext, name: str, backends: list[str]):
+def _parity(ctx: CheckContext, name: str, backends: list[str], *, recut: bool = False):
     out = []
     oracle = ctx.runs.get(ORACLE)
     for b in ctx.backends():
@@ -25,8 +26,9 @@ def _parity(ctx: CheckContext, name: str, backends: list[str]):
         common = [v for v in ctx.runs[b]
                   if ctx.run(b, v) is not None and ctx.run(ORACLE, v) is not None]
         for v in common:
+            metrics = cut_invariant_metrics(ctx.scenario, oracle[v]) if recut else None
             c = compare_runs(ctx.scenario, ctx.runs[b][v], oracle[v], mask=ctx.mask(v),
-                             label=f"variant {v}")
+                             metrics=metrics, label=f"variant {v}")
             drift = max(drift, c.drift)
             if not c.ok:
                 failures.extend(c.failures)
@@ -58,4 +60,4 @@ def dp_invariance(ctx: CheckContext):
     with the one-rank reference on every variant (global token/sequence denominators, metrics
     reduced as one batch would be, padding micro-batches without effect)."""
     multi = [b for b in ctx.backends() if ctx.scenario.backends.get(b, {}).get("dp", 1) > 1]
-    return _parity(ctx, "dp-invariance", multi)
+    return _parity(ctx, "dp-invariance", multi, recut=True)

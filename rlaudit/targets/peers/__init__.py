@@ -2,12 +2,18 @@
 
     rlaudit run --target verl            # the verl found on sys.path, else the newest under .peers/
     rlaudit run --target verl==0.7.1     # <peers dir>/verl-0.7.1 (made by `make peers`)
+    rlaudit run --target slime==a0d6d26a2  # a slime source snapshot (not on the package index)
 
 A peer's package is found either as installed in the user's environment (``pip install verl``) or
 in ``<peers dir>/<name>-<version>/``, a ``pip install --target`` directory made by ``make peers``
 (``<peers dir>`` is ``$RLAUDIT_PEERS_DIR``, default ``<repository>/.peers``). Adapters never
 re-implement the peer's code: they convert rlaudit's tensors to the peer's format, call its
 functions, and convert back. docs/peers.md says what each covers per version.
+
+slime is not published on the package index: its versions are source snapshots named by commit,
+found (:func:`source_snapshot`) through ``$RLAUDIT_SLIME_DIR`` (a slime checkout, e.g. your fork,
+or a folder of ``<commit>/`` snapshots), else ``<repository>/../shared/peers/slime/<commit>``,
+else ``<peers dir>/slime-<commit>``.
 """
 
 from __future__ import annotations
@@ -20,9 +26,14 @@ from pathlib import Path
 from rlaudit.errors import InputError
 
 #: short name -> "module:Attr" of its adapter
-PEERS: dict[str, str] = {}
+PEERS: dict[str, str] = {
+    "verl": "rlaudit.targets.peers.verl:VerlAdapter",
+    "skyrl": "rlaudit.targets.peers.skyrl:SkyRLAdapter",
+    "slime": "rlaudit.targets.peers.slime:SlimeAdapter",
+}
+PEERS["trl"] = "rlaudit.targets.peers.trl:TRLAdapter"
 
-_SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9][0-9A-Za-z.+-]*))?$")
+_SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9A-Za-z][0-9A-Za-z.+-]*))?$")
 
 
 def peers_dir() -> Path:
@@ -57,7 +68,14 @@ def parse(spec: str) -> tuple[str, str | None] | None:
 def activate(name: str, version: str | None = None) -> str | None:
     """Put ``<peers dir>/<name>-<version>`` first on ``sys.path`` (``version`` None: keep an
     installed copy if importable, else the newest directory). Returns the version activated from
-    the peers directory, or None when the environment's own install is used."""
+    the peers directory, or None when the environment's own install is used. Peers published
+    only as source snapshots (slime) are found by :func:`source_snapshot`."""
+    if name in SNAPSHOT_PEERS:
+        path, version = source_snapshot(name, version)
+        if path is None:
+            return None
+        sys.path.insert(0, str(path))
+        return version
     if version is None:
         import importlib.util
         if importlib.util.find_spec(_module_of(name)) is not None:
@@ -77,7 +95,52 @@ def activate(name: str, version: str | None = None) -> str | None:
 
 
 #: the top-level module each peer installs (for "is it importable already?")
-MODULES: dict[str, str] = {}
+MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl"}
+
+#: peers not on the package index, audited from source snapshots: name -> (environment variable
+#: naming a checkout or a folder of ``<commit>/`` snapshots, the commit used when none is asked)
+SNAPSHOT_PEERS: dict[str, tuple[str, str]] = {
+    # 624b824a8: after slime PR #2114 (the stored KL is no longer shaped in place)
+    "slime": ("RLAUDIT_SLIME_DIR", "624b824a8"),
+}
+
+
+def _is_checkout(path: Path, module: str) -> bool:
+    return (path / module / "__init__.py").is_file()
+
+
+def source_snapshot(name: str, version: str | None = None) -> tuple[Path | None, str | None]:
+    """Where the source of snapshot peer ``name`` (at commit ``version``) is: ``(folder to put
+    on sys.path, version)``; ``(None, None)`` when ``version`` is None and the package is already
+    importable (installed from git by the user).
+
+    Looked up in order: ``$<ENV>`` (a checkout holding the package, used when no version is
+    asked; or a folder of ``<commit>/`` snapshots), ``<repository>/../shared/peers/<name>/
+    <commit>``, ``<peers dir>/<name>-<commit>``. Without a version the pinned default commit is
+    used. Raises InputError naming every place looked at when none holds it."""
+    import importlib.util
+    env_var, default = SNAPSHOT_PEERS[name]
+    module = _module_of(name)
+    env = os.environ.get(env_var)
+    if env and version is None and _is_checkout(Path(env), module):
+        return Path(env), Path(env).name
+    if env and version is not None and _is_checkout(Path(env), module) and \
+            not (Path(env) / version).is_dir():
+        raise InputError(f"${env_var}={env} is one {name} checkout; ask for --target {name} "
+                         f"(without ==version) to audit it, or unset ${env_var}",
+                         key="--target")
+    if version is None and importlib.util.find_spec(module) is not None:
+        return None, None
+    version = version or default
+    roots = ([Path(env) / version] if env else []) + [
+        Path(__file__).resolve().parents[3].parent / "shared" / "peers" / name / version,
+        peers_dir() / f"{name}-{version}"]
+    for path in roots:
+        if _is_checkout(path, module):
+            return path, version
+    raise InputError(f"{name}=={version} not found (looked in: {', '.join(map(str, roots))}); "
+                     f"set ${env_var} to a {name} checkout or a folder of <commit>/ snapshots "
+                     f"(docs/peers.md)", key="--target")
 
 
 def _module_of(name: str) -> str:
