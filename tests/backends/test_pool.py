@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlaudit.backends.launch.pool import RankPool, register_task_reset, run_ranks, warm_pools
-from rlaudit.errors import RankFailure
+from rlaudit.errors import InputError, RankFailure
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,6 +133,12 @@ def test_without_a_pool_block_run_ranks_is_launch(monkeypatch):
                         or ["launched"])
     assert run_ranks(_sum_ranks, 2, pool="t", args=(1.0,), timeout=5) == ["launched"]
     assert calls and calls[0][0] is _sum_ranks and calls[0][2]["timeout"] == 5
+    def script_fn(info):
+        return info.rank
+
+    script_fn.__module__, script_fn.__qualname__ = "__main__", "script_fn"
+    with pytest.raises(InputError, match="do not import the main script"):
+        RankPool(2).run(script_fn)  # refused before anything is spawned
     with warm_pools() as pools:
         assert pools.pool("t", 2) is pools.pool("t", 2)
         assert pools.pool("t", 2) is not pools.pool("u", 2)

@@ -49,7 +49,7 @@ from rlaudit.backends.launch._common import MASTER_ADDR, register_task_reset
 from rlaudit.backends.launch._group import FAILURE_GRACE_S, RankGroup
 from rlaudit.backends.launch._pool_worker import DONE, pool_rank_main
 from rlaudit.backends.launch._report import failure_message, order_outcomes
-from rlaudit.errors import RankFailure
+from rlaudit.errors import InputError, RankFailure
 
 __all__ = ["PoolSet", "RankPool", "register_task_reset", "run_ranks", "warm_pools"]
 
@@ -92,6 +92,10 @@ class RankPool:
         """Run ``fn(info, *args, **kwargs)`` on every rank of the pool; results in rank order."""
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             _check_arguments(self.world_size, self.backend, self.device, timeout, self.threads)
+        if getattr(fn, "__module__", None) == "__main__":
+            raise InputError(f"{_describe(fn)}: a warm pool's ranks do not import the main "
+                             "script (they outlive it); put fn in a module, or use launch()",
+                             source="run_ranks()", key="fn")
         payload = _pickle_payload(fn, args, kwargs)
         with self._lock:
             if self._group is None:
@@ -125,7 +129,7 @@ class RankPool:
         self._group = group
         self.spawned += 1
         try:
-            with _no_main_reimport(fn):
+            with _no_main_reimport(fn):  # fn is never from __main__ here (see run)
                 group.start()
             for _, child in pipes:
                 child.close()  # the ranks hold their ends; EOF here means a rank is gone
