@@ -21,6 +21,7 @@ before/after figures come from one method. Phases (rank 0's view for multi-rank 
     compute     the replay itself (probe forward, train steps, recording)
     other       per backend: pickling, results, supervision, teardown; per scenario: rollout
                 load and variants; per invocation: argument parsing, validation, printing
+    queued      a multi-rank replay waiting for its warm pool, busy with another scenario's task
     checks / golden / report / mlflow    invariant checks, golden comparison, local report, MLflow
 
 Absolute figures depend on the machine and its load (say which when quoting them); shares are
@@ -44,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "benchmarks" / "_probe"
-PHASES = ("spawn", "imports", "rendezvous", "build", "compute", "other")
+PHASES = ("spawn", "imports", "rendezvous", "build", "compute", "other", "queued")
 QUICK = {"rlaudit list": ["list"], "rlaudit run --help": ["run", "--help"],
          "input error (unknown scenario)": ["run", "no_such_scenario"]}
 
@@ -92,24 +93,36 @@ def _inside(e: dict, w: dict) -> bool:
     return w["t0"] <= e["t0"] <= w["t1"]
 
 
+def _same_thread(e: dict, w: dict) -> bool:
+    return e.get("tid") == w.get("tid") and _inside(e, w)
+
+
 def analyse(events: list[dict]) -> dict:
-    """Per (scenario, backend) phases, per-scenario and per-invocation costs (seconds)."""
+    """Per (scenario, backend) phases, per-scenario and per-invocation costs (seconds).
+
+    Events of the CLI process are matched to a scenario or replay by thread and time (the
+    local executor keeps two scenarios in flight); a rank's events to the pool task they fall in
+    by the rank's MASTER_PORT (= the pool's port), or, for one-shot launches (which never
+    overlap), by time."""
     cli = next(e for e in events if e["ev"] == "cli")
     parent = cli["pid"]
     start = next(e["t0"] for e in events if e["ev"] == "process" and e["pid"] == parent)
     mine = [e for e in events if e["pid"] == parent]
-    ranks = [e for e in events if e["pid"] != parent and e.get("rank") in ("0", None)]
+    ranks = [e for e in events if e["pid"] != parent]
+    port_of = {e["pid"]: e["port"] for e in ranks if e.get("port")}
+    for e in ranks:
+        e["port"] = port_of.get(e["pid"])
+    ranks = [e for e in ranks if e.get("rank") in ("0", None)]
     scenarios = [e for e in mine if e["ev"] == "scenario"]
     replays = [e for e in mine if e["ev"] == "replay"]
     rows = []
     for scn in scenarios:
-        windows = [r for r in replays if _inside(r, scn)]
-        for w in windows:
+        for w in [r for r in replays if _same_thread(r, scn)]:
             rows.append({"scenario": scn["scenario"], "backend": w["backend"], "wall": _dur(w),
                          **_replay_phases(w, mine, ranks)})
     per_scenario = {}
     for scn in scenarios:
-        inside = [e for e in mine if _inside(e, scn)]
+        inside = [e for e in mine if _same_thread(e, scn)]
         replay = sum(_dur(e) for e in inside if e["ev"] == "replay")
         checks = sum(_dur(e) for e in inside if e["ev"] == "check")
         golden = sum(_dur(e) for e in inside if e["ev"] == "golden")
@@ -118,23 +131,31 @@ def analyse(events: list[dict]) -> dict:
         per_scenario[scn["scenario"]] = {
             "wall": _dur(scn), "replay": replay, "checks": checks, "golden": golden,
             "imports": imports, "other": _dur(scn) - replay - checks - golden - imports}
-    in_scenarios = sum(_dur(s) for s in scenarios)
     first = min((s["t0"] for s in scenarios), default=cli["t1"])
+    last = max((s["t1"] for s in scenarios), default=first)
     startup = first - start  # interpreter, parsing, loading and validating every scenario
     report = sum(_dur(e) for e in mine if e["ev"] == "report")
     mlflow = sum(_dur(e) for e in mine if e["ev"] == "mlflow")
     startup_imports = sum(_dur(e) for e in mine if e["ev"] == "import" and e["depth"] == 0
                           and e["t0"] < first)
     invocation = {"wall": cli["t1"] - start, "startup": startup - startup_imports,
-                  "startup_imports": startup_imports, "scenarios": in_scenarios,
+                  "startup_imports": startup_imports, "scenarios": last - first,
                   "report": report, "mlflow": mlflow,
-                  "other": cli["t1"] - first - in_scenarios - report - mlflow}
+                  "other": cli["t1"] - last - report - mlflow,
+                  "concurrent": len({s.get("tid") for s in scenarios}) > 1}
     return {"rows": rows, "scenarios": per_scenario, "invocation": invocation}
 
 
 def _replay_phases(w: dict, parent_events: list[dict], rank_events: list[dict]) -> dict:
-    inside = [e for e in parent_events if _inside(e, w)] + [e for e in rank_events
-                                                            if _inside(e, w)]
+    inside = [e for e in parent_events if _same_thread(e, w)]
+    pooled = [e for e in inside if e["ev"] in ("task", "launch") and e.get("pool_port")]
+    if pooled:  # a warm pool: this window's start-up and task, by the pool's port
+        inside += [e for e in rank_events
+                   if any(e["port"] == t["pool_port"] and _inside(e, t) for t in pooled)
+                   or (e["ev"] == "process" and any(_inside(e, t) for t in pooled
+                                                    if t["ev"] == "launch"))]
+    elif any(e["ev"] == "launch" for e in inside):  # one-shot launches never overlap
+        inside += [e for e in rank_events if _inside(e, w)]
     imps = [e for e in inside if e["ev"] == "import" and e["depth"] == 0]
     builds = [e for e in inside if e["ev"] in ("build", "convert")]
 
@@ -157,9 +178,11 @@ def _replay_phases(w: dict, parent_events: list[dict], rank_events: list[dict]) 
         joined = min(e["t0"] for e in rdv)
         rank_imports = sum(_dur(e) for e in imps if e["pid"] != w["pid"] and e["t1"] <= joined)
         spawn = max(0.0, joined - launches[0]["t0"] - rank_imports)
-    known = spawn + imports + rendezvous + build + compute
+    # waiting for the pool while it served another scenario's task (two scenarios in flight)
+    queued = min(e["t0"] for e in pooled) - w["t0"] if pooled else 0.0
+    known = spawn + imports + rendezvous + build + compute + queued
     return {"spawn": spawn, "imports": imports, "rendezvous": rendezvous, "build": build,
-            "compute": compute, "other": max(0.0, _dur(w) - known)}
+            "compute": compute, "other": max(0.0, _dur(w) - known), "queued": queued}
 
 
 # ---- printing -----------------------------------------------------------------------------------
@@ -192,6 +215,9 @@ def render(result: dict, quick: dict[str, float], meta: dict) -> str:
     scn_imports = sum(s["imports"] for s in result["scenarios"].values())
     lines += ["", f"invocation wall: {wall:.1f} s ({len(result['scenarios'])} scenarios, "
                   f"{len(result['rows'])} scenario x backend replays)", "share of the wall time:"]
+    if inv.get("concurrent"):
+        lines.append("  (scenarios ran concurrently: phases overlap, so the shares add up to more "
+                     "than 100 %; 'queued' is a replay waiting for a pool busy with another)")
     shares = [("CLI start-up: heavy imports", inv["startup_imports"]),
               ("CLI start-up: parse, load + validate", inv["startup"]),
               ("imports between replays (CLI process)", scn_imports)]

@@ -10,7 +10,8 @@ module is imported, and appends one JSON line per timed call to ``$RLAUDIT_PROBE
 Because it measures from the outside, the same probe times the code before and after a change
 (``suite_time.py --ref b75782f``), as long as these names exist: rlaudit.cli.main.main,
 rlaudit.scenarios.engine.{run_scenario,get_backend,load_rollout,build_variants,golden_mod},
-Invariant.check, rlaudit.backends.launch.launch, rlaudit.backends.launch.pool.RankPool._start,
+Invariant.check, rlaudit.backends.launch.launch,
+rlaudit.backends.launch.pool.RankPool.{_start,_run_task},
 rlaudit.backends.launch._worker._init_distributed,
 rlaudit.backends.replay.replay_variant, rlaudit.backends.megatron.compat.init_megatron,
 rlaudit.backends.megatron.convert.load_hf_checkpoint, rlaudit.report.{mlflow_log.log_invocation,
@@ -24,6 +25,7 @@ import functools
 import json
 import os
 import sys
+import threading
 import time
 
 PROCESS_START = time.time()
@@ -34,8 +36,11 @@ HEAVY = frozenset({"torch", "megatron", "transformers", "mlflow", "vllm", "ray",
 
 
 def emit(ev: str, t0: float, t1: float, **labels) -> None:
+    """One event. ``tid`` tells the CLI's concurrent scenarios apart; ``port`` (a rank's
+    MASTER_PORT) tells which group a rank belongs to."""
     line = json.dumps({"ev": ev, "t0": t0, "t1": t1, "pid": os.getpid(),
-                       "rank": os.environ.get("RANK"), **labels}, default=str)
+                       "tid": threading.get_ident(), "rank": os.environ.get("RANK"),
+                       "port": os.environ.get("MASTER_PORT"), **labels}, default=str)
     fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (line + "\n").encode())  # one write per line: O_APPEND keeps lines whole
@@ -119,13 +124,21 @@ def _patch_invariants(m) -> None:
         inv.check = timed("check", inv.check, lambda *a, _n=name, **k: {"invariant": _n})
 
 
+def _pool_port(pool, *args, **kwargs) -> dict:
+    """Evaluated after the call: the pool's rendezvous port (its ranks' MASTER_PORT)."""
+    store = getattr(pool, "_store", None)
+    return {"pool_port": str(store.port) if store is not None else None}
+
+
 PATCHES = {
     "rlaudit.cli.main": lambda m: _wrap_attr(m, "main", "cli"),
     "rlaudit.scenarios.engine": _patch_engine,
     "rlaudit.scenarios.invariants": _patch_invariants,
     "rlaudit.backends.launch": lambda m: _wrap_attr(m, "launch", "launch"),
-    # a warm pool's start-up is a launch's spawn (only in checkouts that have pools)
-    "rlaudit.backends.launch.pool": lambda m: _wrap_attr(m.RankPool, "_start", "launch"),
+    # a warm pool's start-up is a launch's spawn, a task its use (checkouts that have pools)
+    "rlaudit.backends.launch.pool": lambda m: (
+        _wrap_attr(m.RankPool, "_start", "launch", _pool_port),
+        _wrap_attr(m.RankPool, "_run_task", "task", _pool_port)),
     "rlaudit.backends.launch._worker": lambda m: _wrap_attr(m, "_init_distributed", "rendezvous"),
     "rlaudit.backends.replay": lambda m: _wrap_attr(
         m, "replay_variant", "variant",

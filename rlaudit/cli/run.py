@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
                         "pools, or Ray (placement group per multi-rank job; default: %(default)s)")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="join this Ray cluster (--executor ray; default: start a local one)")
+    p.add_argument("--jobs", type=int, default=2, metavar="N",
+                   help="scenarios in flight with the local executor (default: %(default)s: one "
+                        "scenario's in-process work overlaps another's multi-rank replay)")
     p.set_defaults(func=run)
 
 
@@ -94,7 +97,7 @@ def _run(args) -> int:
 
         with make_executor(args.executor, scenarios, backends=backends,
                            progress=not args.json or sys.stderr.isatty(),
-                           ray_address=args.ray_address) as executor:
+                           ray_address=args.ray_address, jobs=args.jobs) as executor:
             for scn, res in executor.map(scenarios, run_one):
                 results.append(res)
                 if not args.json:

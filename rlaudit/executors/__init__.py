@@ -1,6 +1,6 @@
 """Where ``rlaudit run`` carries out its scenario x backend jobs.
 
-    local   this machine, scenario after scenario; multi-rank backends reuse warm rank pools
+    local   this machine, two scenarios in flight; multi-rank backends reuse warm rank pools
             (rlaudit/backends/launch/pool.py) for the whole invocation (the default)
     ray     Ray tasks and actors: every multi-rank job a placement group with one bundle per rank,
             the reference replays Ray tasks; a local Ray cluster, or ``--ray-address``
@@ -18,6 +18,9 @@ order, where ``run_one(scenario, replay)`` returns the scenario's result.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import threading
 from typing import Callable, Iterator
 
 from rlaudit.executors.progress import Progress
@@ -54,14 +57,25 @@ def job_count(scenarios, backends: list[str] | None) -> int:
     return sum(len(planned_backends(scn, backends)[0]) for scn in scenarios)
 
 
+#: Scenarios the local executor keeps in flight: two, so that one scenario's in-process work
+#: (reference replay, checks: one core) overlaps another's multi-rank replay (the ranks).
+LOCAL_JOBS = 2
+
+
 class LocalExecutor:
-    """Scenario after scenario in this process; multi-rank replays go to the warm pools of the
-    enclosing :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds one)."""
+    """Scenarios on this machine, ``jobs`` at a time (threads; results in scenario order).
+    Multi-rank replays go to the warm pools of the enclosing
+    :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds one; a pool serves one
+    task at a time); in-process replays (the reference backend) run one at a time, as each seeds
+    the process's RNG. Results do not depend on ``jobs``: every replay is isolated."""
 
     name = "local"
 
-    def __init__(self, progress: Progress):
+    def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS):
         self.progress = progress
+        self.jobs = max(1, jobs)
+        self.progress.parallel = self.jobs
+        self._in_process = threading.Lock()
 
     def __enter__(self) -> "LocalExecutor":
         import torch
@@ -73,30 +87,49 @@ class LocalExecutor:
         self.progress.close()
 
     def map(self, scenarios, run_one: Callable) -> Iterator[tuple]:
-        for scn in scenarios:
-            yield scn, run_one(scn, self._replayer(scn.name))
+        if self.jobs == 1:
+            for scn in scenarios:
+                yield scn, run_one(scn, self._replayer(scn.name))
+            return
+        with concurrent.futures.ThreadPoolExecutor(self.jobs,
+                                                   thread_name_prefix="rlaudit-job") as threads:
+            futures = [threads.submit(run_one, scn, self._replayer(scn.name))
+                       for scn in scenarios]
+            try:
+                for scn, future in zip(scenarios, futures):
+                    yield scn, future.result()
+            finally:
+                for f in futures:
+                    f.cancel()
 
     def _replayer(self, scenario: str):
         def replay(backend, request):
-            self.progress.start(scenario, backend.name)
-            try:
-                return backend.replay(request)
-            finally:
-                self.progress.finish(scenario, backend.name)
+            multi_rank = backend.name != "reference"
+            with contextlib.nullcontext() if multi_rank else self._in_process:
+                self.progress.start(scenario, backend.name)
+                try:
+                    return backend.replay(request)
+                finally:
+                    self.progress.finish(scenario, backend.name)
         return replay
 
 
 def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
-                  progress: bool = True, ray_address: str | None = None):
+                  progress: bool = True, ray_address: str | None = None,
+                  jobs: int = LOCAL_JOBS):
     """The executor called ``name`` (see :data:`EXECUTORS`) with a progress display over the
     scenarios' jobs."""
     total = job_count(scenarios, backends)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        from rlaudit.errors import InputError
+
+        raise InputError(f"expected an integer >= 1, got {jobs!r}", key="--jobs")
     if name == "ray":
         from rlaudit.executors.ray_executor import RayExecutor
 
         return RayExecutor(total, address=ray_address, progress=progress,
                            gpu=any(scn.device == "cuda" for scn in scenarios))
-    return LocalExecutor(Progress(total, enabled=progress))
+    return LocalExecutor(Progress(total, enabled=progress), jobs=jobs)
 
 
 __all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor"]

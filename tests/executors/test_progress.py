@@ -79,3 +79,42 @@ def test_nothing_logged_leaves_no_file(tmp_path):
     with third_party_to_log(tmp_path / "reports" / "rlaudit.log"):
         pass
     assert not (tmp_path / "reports").exists()
+
+
+def test_local_executor_keeps_order_and_runs_in_process_replays_one_at_a_time():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from rlaudit.executors import LocalExecutor
+
+    active = {"reference": 0, "fsdp": 0}
+    peak = {"reference": 0, "fsdp": 0, "both": 0}
+    lock = threading.Lock()
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self, request):
+            with lock:
+                active[self.name] += 1
+                peak[self.name] = max(peak[self.name], active[self.name])
+                peak["both"] = max(peak["both"], active["reference"] + active["fsdp"])
+            time.sleep(0.05)
+            with lock:
+                active[self.name] -= 1
+            return {"base": request}
+
+    def run_one(scn, replay):
+        return [replay(Stub(b), f"{scn.name}/{b}") for b in ("reference", "fsdp")]
+
+    scenarios = [SimpleNamespace(name=f"s{i}") for i in range(6)]
+    out = io.StringIO()
+    with LocalExecutor(Progress(12, stream=out, live=False), jobs=2) as ex:
+        results = list(ex.map(scenarios, run_one))
+    assert [s.name for s, _ in results] == [s.name for s in scenarios]
+    assert results[3][1] == [{"base": "s3/reference"}, {"base": "s3/fsdp"}]
+    assert peak["reference"] == 1          # in-process replays never overlap each other
+    assert peak["both"] == 2               # but overlap another scenario's multi-rank replay
+    assert out.getvalue().count("\n") == 12 and "[12/12]" in out.getvalue()
