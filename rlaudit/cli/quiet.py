@@ -27,7 +27,7 @@ QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 #: Loggers that install a terminal handler at import whatever the environment says.
-_OWN_HANDLER_LOGGERS = ("transformers", "ray", "alembic", "mlflow")
+_OWN_HANDLER_LOGGERS = ("torch", "transformers", "ray", "alembic", "mlflow")
 
 
 @contextlib.contextmanager

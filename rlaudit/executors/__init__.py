@@ -80,7 +80,10 @@ class LocalExecutor:
     def __enter__(self) -> "LocalExecutor":
         import torch
 
+        from rlaudit.cli.quiet import quiet_loggers
+
         torch.set_num_threads(process_threads())
+        quiet_loggers()  # torch's own log handler: its warnings go to the run's log file
         return self
 
     def __exit__(self, *exc) -> None:

@@ -145,12 +145,11 @@ class RankPool:
         deadline = time.monotonic() + _group.STARTUP_TIMEOUT_S
         first_failure = None
         while True:
-            running = group.running()
-            exited = mp.connection.wait([group.procs[r].sentinel for r in running], _POLL_S)
+            sentinels = {group.procs[r].sentinel: r for r in group.running()}
+            exited = mp.connection.wait(list(sentinels), _POLL_S)
             now = time.monotonic()
             for sentinel in exited:
-                rank = next(r for r in running if group.procs[r].sentinel == sentinel)
-                group._collect(rank)
+                group._collect(sentinels[sentinel])
                 first_failure = first_failure or now
             if first_failure is not None:
                 if now >= first_failure + FAILURE_GRACE_S:
@@ -244,10 +243,10 @@ class RankPool:
                     conn.send_bytes(message)
             until = time.monotonic() + _CLOSE_WAIT_S
             while (running := group.running()) and time.monotonic() < until:
-                for sentinel in mp.connection.wait([group.procs[r].sentinel for r in running],
-                                                   _POLL_S):
-                    group._collect(next(r for r in running
-                                        if group.procs[r].sentinel == sentinel))
+                # map before waiting: a collected process is closed and has no sentinel
+                sentinels = {group.procs[r].sentinel: r for r in running}
+                for sentinel in mp.connection.wait(list(sentinels), _POLL_S):
+                    group._collect(sentinels[sentinel])
             group.kill_all()
         for conn in self._conns:
             with contextlib.suppress(OSError):
