@@ -34,6 +34,7 @@ _OWN_HANDLER_LOGGERS = ("torch", "transformers", "ray", "alembic", "mlflow")
 def third_party_to_log(path: Path) -> Iterator[Path]:
     """Route warnings and log records to ``path`` for the block. The file (and its folder) is
     created, truncated, at the first record: a run stopped by bad input leaves nothing behind."""
+    path.unlink(missing_ok=True)  # a previous run's log must not pass for this one's
     handler = _LazyFileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

@@ -65,8 +65,13 @@ def run(args) -> int:
     from rlaudit.cli.quiet import third_party_to_log
 
     # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
-    with third_party_to_log(Path(args.report_dir) / "rlaudit.log"), warm_pools():
-        return _run(args)
+    log = Path(args.report_dir) / "rlaudit.log"
+    try:
+        with third_party_to_log(log), warm_pools():
+            return _run(args)
+    finally:
+        if log.is_file() and log.stat().st_size:
+            print(f"third-party warnings and logs: {log}", file=sys.stderr)
 
 
 def _run(args) -> int:

@@ -38,14 +38,13 @@ import shutil
 import tempfile
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from rlaudit.backends.launch import (_check_arguments, _check_env, _describe, _no_main_reimport,
-                                     _pickle_payload, _spec, _warn_teardown, launch)
+                                     _pickle_payload, _spec, _warn_teardown, host_store, launch)
 from rlaudit.backends.launch import _group
-from rlaudit.backends.launch._common import MASTER_ADDR, register_task_reset
+from rlaudit.backends.launch._common import register_task_reset
 from rlaudit.backends.launch._group import FAILURE_GRACE_S, RankGroup
 from rlaudit.backends.launch._pool_worker import DONE, pool_rank_main
 from rlaudit.backends.launch._report import failure_message, order_outcomes
@@ -111,12 +110,8 @@ class RankPool:
     # ---- internals ------------------------------------------------------------------------------
 
     def _start(self, fn) -> None:
-        import torch.distributed as dist
-
         self._root = Path(tempfile.mkdtemp(prefix="rlaudit-pool-"))
-        self._store = dist.TCPStore(MASTER_ADDR, 0, None, is_master=True,
-                                    timeout=timedelta(seconds=self.torch_timeout),
-                                    wait_for_workers=False)
+        self._store = host_store(self.torch_timeout)  # the launcher's rendezvous, kept open
         specs = [_spec(r, self.world_size, self.device, self.backend, self._root,
                        self._store.port, self.torch_timeout, self.threads, self.env)
                  for r in range(self.world_size)]
