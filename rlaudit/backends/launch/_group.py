@@ -58,14 +58,15 @@ class RankGroup:
     """
 
     def __init__(self, specs: list[RankSpec], payload: bytes | None, *, target=rank_main,
-                 extra_args: list[tuple] | None = None):
+                 extra_args: list[tuple] | None = None, name: str = "rlaudit-rank"):
         """``target(spec, payload, *extra_args[rank])`` runs in each process (a warm pool passes
-        its own target, no payload and a pipe end per rank)."""
+        its own target, no payload and a pipe end per rank); processes are named
+        ``<name><rank>``."""
         ctx = mp.get_context("spawn")
         self.files: list[RankFiles] = [s.files for s in specs]
         extra = extra_args or [()] * len(specs)
         self.procs = [ctx.Process(target=target, args=(s, payload, *extra[s.rank]),
-                                  name=f"rlaudit-rank{s.rank}") for s in specs]
+                                  name=f"{name}{s.rank}") for s in specs]
         self.exitcodes: dict[int, int] = {}
         self.seen_at: dict[int, float] = {}
         self.killed: dict[int, str] = {}

@@ -119,7 +119,7 @@ class RankPool:
         pipes = [ctx.Pipe() for _ in specs]
         self._conns = [parent for parent, _ in pipes]
         group = RankGroup(specs, None, target=pool_rank_main,
-                          extra_args=[(child,) for _, child in pipes])
+                          extra_args=[(child,) for _, child in pipes], name="rlaudit-pool-rank")
         self._pool_files = list(group.files)
         self._group = group
         self.spawned += 1
