@@ -83,7 +83,7 @@ def test_list_json(capsys):
     assert main(["list", "--json", "--scenarios-dir", str(SCENARIOS)]) == 0
     data = json.loads(capsys.readouterr().out)
     names = {s["name"] for s in data["scenarios"]}
-    assert names == {p.stem for p in SCENARIOS.glob("*.yaml")} and len(names) == 25
+    assert names == {p.stem for p in SCENARIOS.glob("*.yaml")} and len(names) >= 25
     assert {b["name"] for b in data["backends"]} == {"reference", "fsdp", "megatron"}
     ref = next(b for b in data["backends"] if b["name"] == "reference")
     assert ref["available"] is True
