@@ -121,6 +121,9 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     res.runs = runs
     if golden_dir is not None:
         res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless)
+    if not res.passed:  # only a failure is localised: nothing extra runs otherwise
+        from rlaudit.scenarios.localise import localise_scenario
+        res.localisation = localise_scenario(scn, ctx, res, timeout=timeout)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -85,16 +85,18 @@ class ReferenceAdapter(TargetAdapter):
 
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,
                           micro_batch_size: int | None = None,
-                          max_token_len: int | None = None) -> list[list[RolloutBatch]]:
+                          max_token_len: int | None = None,
+                          extra_padding: int = 0) -> list[list[RolloutBatch]]:
         """Contiguous equal-count shards per rank, micro-batches by count or token budget,
-        then padding micro-batches so every rank runs as many as the busiest one."""
+        then padding micro-batches so every rank runs as many as the busiest one, plus
+        ``extra_padding`` more on every rank."""
         if (micro_batch_size is None) == (max_token_len is None):
             raise InputError("give exactly one of micro_batch_size and max_token_len",
                              key="micro_batch_size")
         shards = shard_for_dp(batch, dp_size)
         per_rank = [microbatches_by_count(s, micro_batch_size) if micro_batch_size else
                     microbatches_by_tokens(s, max_token_len) for s in shards]
-        target = max(len(m) for m in per_rank)
+        target = max(len(m) for m in per_rank) + extra_padding
         return [pad_microbatch_list(m, target, s) for m, s in zip(per_rank, shards)]
 
     # ---- whole step --------------------------------------------------------------------------

@@ -185,4 +185,4 @@ def update_actor(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dict
     return optimizer_steps(ctx, batch, cfg, role="actor", epochs=act.ppo_epochs,
                            micro_batch_size=act.ppo_micro_batch_size_per_gpu,
                            spec=actor_forward_spec(cfg, for_update=True), loss=actor_loss,
-                           grad_clip=act.grad_clip, extra=extra)
+                           grad_clip=act.grad_clip, extra=extra, cp=act.context_parallel_size)

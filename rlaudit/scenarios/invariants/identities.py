@@ -8,6 +8,8 @@ loss has a closed form in the advantages that is recomputed here by a naive loop
 
 from __future__ import annotations
 
+import torch
+
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
                                                not_applicable, result)
 from rlaudit.scenarios.invariants.naive import naive_agg
@@ -51,7 +53,7 @@ def on_policy_identities(ctx: CheckContext):
     out = []
     scn = ctx.scenario
     cfg = _cfg(ctx, "onpolicy")
-    mask = ctx.batch.mask
+    mask = ctx.mask("onpolicy")
     for b in ctx.backends():
         runs, na = ctx.need("on-policy-identities", b, "onpolicy")
         if na:
@@ -119,7 +121,6 @@ def config_effect(ctx: CheckContext):
     compared across backends by backend-parity, so a flag one backend ignores shows up twice."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
     names = ["cfg:entropy0", "cfg:entropy", "cfg:kl0", "cfg:kl"] + [f"cfg:agg:{m}" for m in AGG_MODES]
     for b in ctx.backends():
         problems = []
@@ -145,7 +146,8 @@ def config_effect(ctx: CheckContext):
                                 f"expected loss(coef 0) + 0.5 * kl_loss = {want:.10g}")
         for mode in AGG_MODES:
             run = ctx.run(b, f"cfg:agg:{mode}")
-            want = expected_pg_loss(run, mask, _cfg(ctx, f"cfg:agg:{mode}"))
+            want = expected_pg_loss(run, ctx.mask(f"cfg:agg:{mode}"),
+                                    _cfg(ctx, f"cfg:agg:{mode}"))
             got = run.steps[0]["actor/pg_loss"]
             if not scn.tol("actor/pg_loss").close(got, want):
                 problems.append(f"loss_agg_mode {mode}: pg_loss = {got:.10g}, expected "
@@ -216,3 +218,113 @@ def grad_norm_identity(ctx: CheckContext):
                           drift=abs(logged - applied) / max(applied, 1e-12)))
     return out
 
+
+# ---- PPO epochs ------------------------------------------------------------------------------
+
+def _epochs_variants(scn, batch):
+    noclip = _gradnorm_variants(scn, batch)[0]
+    two = base_variant(scn, batch, "epochs:2", **one_minibatch(scn, batch, **{
+        "actor.ppo_epochs": 2}), **{"actor.optim.name": "sgd", "actor.optim.weight_decay": 0.0,
+                                    "actor.grad_clip": 0.0, "actor.optim.lr": SGD_LR})
+    return [noclip, two]
+
+
+@invariant("ppo-epochs-identity", "identity", variants=_epochs_variants)
+def ppo_epochs_identity(ctx: CheckContext):
+    """``ppo_epochs = 2`` over one mini-batch takes a second SGD step (no momentum, weight decay
+    or clipping) after the one a 1-epoch run takes: the parameters of the two runs differ by
+    ``lr * |g_2|``, and ``actor/grad_norm`` (the mean over optimizer steps) is ``(|g_1| +
+    |g_2|) / 2`` with ``|g_1|`` the 1-epoch run's norm, so ``||theta_2 - theta_1|| / lr = 2 *
+    grad_norm_2 - grad_norm_1``. A trainer that drops ``ppo_epochs`` (or recomputes the old
+    log-probs per epoch, which changes only later steps' ratios, not this identity) runs one
+    step: its left side is 0."""
+    out = []
+    tol = ctx.scenario.tol("actor/grad_norm")
+    for b in ctx.backends():
+        runs, na = ctx.need("ppo-epochs-identity", b, "gradnorm:noclip", "epochs:2")
+        if na:
+            out.append(na)
+            continue
+        one, two = runs
+        if not one.params or not two.params or "actor/grad_norm" not in two.steps[0]:
+            out.append(not_applicable("ppo-epochs-identity", b, "parameters or actor/grad_norm "
+                                      "not recorded"))
+            continue
+        moved = float((two.params[0] - one.params[0]).norm()) / SGD_LR
+        want = 2 * two.steps[0]["actor/grad_norm"] - one.steps[0]["actor/grad_norm"]
+        ok = tol.close(moved, want)
+        out.append(result("ppo-epochs-identity", b, ok,
+                          (f"the second epoch's step has norm {moved:.10g}, expected "
+                           f"2 x grad_norm(2 epochs) - grad_norm(1 epoch) = {want:.10g}")
+                          if not ok else f"second epoch's gradient norm {moved:.6g} as logged",
+                          drift=abs(moved - want) / max(abs(want), 1e-12)))
+    return out
+
+
+# ---- KL-loss direction -----------------------------------------------------------------------
+
+KL_COEF = 0.5
+#: small enough that one SGD step on the KL term alone is first-order accurate on the tiny
+#: models (measured: second-order share of the KL change < 5%), large enough to move KL well
+#: beyond float noise
+KL_LR = 1e-3
+#: estimators that are > 0 whenever the policy differs from the reference
+POSITIVE_KL = ("k2", "mse", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+")
+
+
+def _kl_direction_variants(scn, batch):
+    v = base_variant(scn, batch, "kl:descent", steps=2, **one_minibatch(scn, batch), **{
+        "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": False,
+        "algorithm.filter_groups.enable": False, "reward.overlong_buffer.enable": False,
+        "actor.use_kl_loss": True, "actor.kl_loss_coef": KL_COEF, "actor.entropy_coeff": 0.0,
+        "actor.rollout_correction.rollout_is": None,
+        "actor.rollout_correction.use_rollout_kl_loss": False, "actor.distill.enable": False,
+        "actor.optim.name": "sgd", "actor.optim.lr": KL_LR, "actor.optim.weight_decay": 0.0,
+        "actor.grad_clip": 0.0})
+    # equal scores: every GRPO advantage is 0, so the KL term is the whole gradient
+    v.batch = batch.with_fields(scores=torch.zeros_like(batch["scores"]))
+    return [v]
+
+
+@invariant("kl-loss-direction", "identity", variants=_kl_direction_variants)
+def kl_loss_direction(ctx: CheckContext):
+    """With the KL loss the only term (all scores equal, so GRPO advantages are 0; coefficient
+    c = 0.5; plain SGD, no clipping), one optimizer step moves the policy *towards* the
+    reference: ``actor/kl_loss`` falls from step 0 to step 1 (the first-order prediction
+    ``lr * grad_norm^2 / c`` is reported, not required: a trainer may log the KL aggregated
+    otherwise than its loss, as TRL does). A KL term added with the wrong sign raises the KL
+    instead; one computed against the live actor instead of the reference policy is 0.
+    Independent of config-effect, which only checks the loss value. n/a without a reference
+    policy distinct from the actor (the KL is then 0)."""
+    scn = ctx.scenario
+    if scn.ref_model is None:
+        return [not_applicable("kl-loss-direction", b, "the reference policy is the initial "
+                               "actor: KL is 0") for b in ctx.backends()]
+    kind = ctx.variant("kl:descent").config.actor.kl_loss_type
+    out = []
+    for b in ctx.backends():
+        runs, na = ctx.need("kl-loss-direction", b, "kl:descent")
+        if na:
+            out.append(na)
+            continue
+        steps = runs[0].steps
+        if len(steps) < 2 or any("actor/kl_loss" not in s for s in steps[:2]):
+            out.append(result("kl-loss-direction", b, False, "actor/kl_loss not logged at "
+                              "steps 0 and 1 although use_kl_loss is true"))
+            continue
+        k0, k1 = steps[0]["actor/kl_loss"], steps[1]["actor/kl_loss"]
+        g = steps[0].get("actor/grad_norm")
+        problems = []
+        if kind in POSITIVE_KL and not k0 > 0:
+            problems.append(f"actor/kl_loss = {k0:.6g} at step 0 with a reference policy that "
+                            f"is not the actor ({kind} is > 0 there)")
+        pred = KL_LR * g * g / KL_COEF if g is not None else float("nan")
+        tol = ctx.scenario.tol("actor/kl_loss")
+        if not k0 - k1 > tol.atol + tol.rtol * abs(k0):
+            problems.append(f"one SGD step on the KL term changed actor/kl_loss {k0:.8g} -> "
+                            f"{k1:.8g}: it must fall (first-order prediction: a fall of "
+                            f"{pred:.3g} = lr * grad_norm^2 / coef)")
+        out.append(result("kl-loss-direction", b, not problems, "; ".join(problems) or
+                          f"KL fell {k0:.6g} -> {k1:.6g} (first-order prediction: a fall of "
+                          f"{pred:.3g})"))
+    return out

@@ -6,6 +6,8 @@ so an invariant that uses them does not share a bug with the code under test.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -33,3 +35,25 @@ def naive_agg(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
 
 def naive_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return naive_agg(x, mask, "token-mean")
+
+
+def naive_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str
+             ) -> torch.Tensor | None:
+    """Per-token KL estimate by a loop over elements for k1/kl, abs, k2/mse and k3/low_var_kl
+    (log-ratio clamped to [-20, 20], value to [-10, 10], as verl); None for other kinds."""
+    def one(lp: float, ref: float) -> float:
+        d = lp - ref
+        if kind in ("k1", "kl"):
+            return d
+        if kind == "abs":
+            return abs(d)
+        if kind in ("k2", "mse"):
+            return 0.5 * d * d
+        r = min(max(ref - lp, -20.0), 20.0)
+        return min(max(math.exp(r) - r - 1.0, -10.0), 10.0)
+
+    if kind not in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"):
+        return None
+    rows = [[one(a, b) for a, b in zip(ra, rb)]
+            for ra, rb in zip(log_prob.double().tolist(), ref_log_prob.double().tolist())]
+    return torch.tensor(rows, dtype=torch.float64).reshape(log_prob.shape)

@@ -38,7 +38,7 @@ def entropy_logged(ctx: CheckContext):
     optimised)."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
+    mask = ctx.mask("entropy:calc")
     for b in ctx.backends():
         runs, na = ctx.need("entropy-logged-when-coeff-zero", b, "entropy:calc", "entropy:off")
         if na:
@@ -86,7 +86,8 @@ def stored_kl_unaltered(ctx: CheckContext):
     building the shaped reward in an aliased tensor)."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
+    mask = ctx.mask("kl-in-reward")
+    batch = ctx.batch_of("kl-in-reward")
     alg = scn.config.algorithm
     for b in ctx.backends():
         runs, na = ctx.need("stored-kl-unaltered", b, "kl-in-reward")
@@ -111,8 +112,8 @@ def stored_kl_unaltered(ctx: CheckContext):
             problems.append("rollout/kl is not logged")
         elif not scn.tol("rollout/kl").close(got_mean, want_mean):
             problems.append(f"rollout/kl = {got_mean:.10g}, recomputed KL mean {want_mean:.10g}")
-        seq, _ = sequence_scores(ctx.batch, run_cfg(ctx, "kl-in-reward"))
-        scores = place_scores(seq, ctx.batch["response_lengths"], ctx.batch.response_width).double()
+        seq, _ = sequence_scores(batch, run_cfg(ctx, "kl-in-reward"))
+        scores = place_scores(seq, batch["response_lengths"], batch.response_width).double()
         rewards = scores - alg.kl_coef * kl
         ok, msg, _ = compare_tensors("token_level_rewards", t["token_level_rewards"], rewards,
                                      scn.tol("token_level_rewards"), mask)
@@ -135,7 +136,8 @@ def _padding_variants(scn, batch):
 def padding_complete(ctx: CheckContext):
     """Padding micro-batches (response_mask all False, added so every rank runs equally many
     passes) carry every per-token field the real micro-batches of the same optimizer step carry,
-    with the same dtypes and trailing shapes; and appending two of them per optimizer step
+    with the same dtypes and trailing shapes; asking for two per optimizer step
+    (``trainer.extra_padding_microbatches``) runs at least two more passes on every rank, and
     changes no metric, per-token output or updated parameter."""
     out = []
     scn = ctx.scenario
@@ -172,7 +174,15 @@ def padding_complete(ctx: CheckContext):
         if not seen_padding and extra.micro_log:
             problems.append("no padding micro-batch was run although two were requested per "
                             "optimizer step")
-        same = compare_runs(scn, extra, none_, mask=ctx.batch.mask,
+        elif extra.micro_log and none_.micro_log:
+            # counted, not recognised by an empty mask: a real micro-batch of empty responses
+            # also has no valid token
+            more = [[len(e) - len(n) for e, n in zip(re, rn)]
+                    for re, rn in zip(extra.micro_log[0], none_.micro_log[0])]
+            if any(d < 2 for rank in more for d in rank):
+                problems.append(f"extra_padding_microbatches = 2 added {more} micro-batches per "
+                                f"rank and optimizer step (at least 2 expected)")
+        same = compare_runs(scn, extra, none_, mask=ctx.mask("padding:none"),
                             label="with 2 padding micro-batches vs none")
         if not same.ok:
             problems.append(same.message)

@@ -83,6 +83,7 @@ def test_skyrl_with_pre_1811_padding_fails_padding_complete_naming_the_field(tmp
     rc, checks, _ = run_cli(tmp_path, f"skyrl=={VERSION}", driver=PRE_1811)
     failed = {n for n, c in checks.items() if c["status"] in ("fail", "error")}
     assert rc == 1
-    assert failed == {"make_microbatches:padding-complete"}
+    # padding-complete, and independently the loss over the micro-batches (issue #12 item 6)
+    assert failed == {"make_microbatches:padding-complete", "make_microbatches:loss-sums-to-batch"}
     msg = checks["make_microbatches:padding-complete"]["message"]
     assert "rollout_log_probs" in msg, msg
