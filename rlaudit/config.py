@@ -371,7 +371,7 @@ def load_config(data: Mapping[str, Any] | None, *, source: str | None = None,
 
 
 def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> None:
-    """Range checks and registry names. Registries are imported here, lazily, so that reading a
+    """Range checks and registry names. The names come from rlaudit.catalogue, so that reading a
     config needs no torch."""
     def bad(key, msg):
         raise InputError(msg, source=source, key=f"{prefix}{key}")
@@ -418,7 +418,8 @@ def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> Non
     if cfg.data.gen_batch_size is not None and cfg.data.gen_batch_size < cfg.data.train_batch_size:
         bad("data.gen_batch_size", "must be >= data.train_batch_size")
 
-    from rlaudit.algo import names  # lazy: pulls in torch
+    from rlaudit import catalogue  # the registries' names, cached: no torch import here
+    names = catalogue.algo_names()
     checks = (
         ("algorithm.adv_estimator", a.adv_estimator, names.ADV_ESTIMATORS),
         ("algorithm.kl_penalty", a.kl_penalty, names.KL_ESTIMATORS),
