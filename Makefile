@@ -53,8 +53,12 @@ venv-gpu:
 	$(PIP) install -q -e '.[dev,megatron,mlflow,ray,vllm]'
 	touch $(VENV)/.installed
 
+# EXECUTOR=ray spreads the scenario x backend jobs over a Ray cluster (RAY_ADDRESS, else a local
+# one); .github/workflows/nightly-gpu.yml runs this target and appends the drift summary.
+EXECUTOR ?= local
+RAY_ADDRESS ?=
 nightly-gpu:
-	$(BIN)/rlaudit run --all --device cuda
+	$(BIN)/rlaudit run --all --device cuda --executor $(EXECUTOR) $(if $(RAY_ADDRESS),--ray-address $(RAY_ADDRESS))
 	$(BIN)/python -m pytest -q -m gpu
 	$(BIN)/rlaudit report --last 7 --format md
 

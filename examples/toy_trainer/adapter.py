@@ -25,7 +25,7 @@ METRICS = {"pg_loss": "actor/pg_loss", "pg_clipfrac": "actor/pg_clipfrac",
            "entropy": "actor/entropy", "kl_loss": "actor/kl_loss", "kl_coef": "actor/kl_coef",
            "loss": "actor/loss", "grad_norm": "actor/grad_norm", "lr": "actor/lr",
            "rollout_kl": "rollout/kl", "score_mean": "critic/score/mean",
-           "adv_mean": "critic/advantages/mean",
+           "adv_mean": "critic/advantages/mean", "is_weight_mean": "rollout_corr/is_weight_mean",
            "overlong_penalty_mean": "train/overlong_penalty_mean"}
 #: ToyTrainer's layout fields, rebuilt by from_toy; every other field passes through unchanged
 LAYOUT = ("input_ids", "attention_mask", "position_ids", "responses", "index")
@@ -89,6 +89,11 @@ def toy_config(config, rows: int) -> toy.ToyConfig:
         max_tokens_per_micro=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
         padding_micros=config.trainer.extra_padding_microbatches, epochs=a.ppo_epochs,
         grad_clip=a.grad_clip, temperature=config.rollout.temperature,
+        rollout_is=a.rollout_correction.rollout_is,
+        rollout_is_threshold=a.rollout_correction.rollout_is_threshold,
+        rollout_is_mode=a.rollout_correction.rollout_is_mode,
+        rollout_is_threshold_lower=a.rollout_correction.rollout_is_threshold_lower,
+        cp_size=a.context_parallel_size,
         max_response_length=config.rollout.response_length,
         overlong_buffer=ob.len if ob.enable else 0, overlong_penalty_factor=ob.penalty_factor,
         filter_groups=alg.filter_groups.enable, filter_metric=alg.filter_groups.metric)
@@ -114,6 +119,7 @@ class ToyAdapter(TargetAdapter):
     kl_estimators = ("kl", "low_var_kl")
     loss_modes = ("vanilla",)
     metric_names = tuple(METRICS.values())    # parity expects these whenever rlaudit logs them
+    layout = {"cp": 2}                        # ToyTrainer can split sequences over 2 CP ranks
     trainer_class = toy.ToyTrainer            # tests swap in broken trainers
     filters_groups = True                     # ToyTrainer.step applies DAPO's group filter
 
@@ -125,7 +131,7 @@ class ToyAdapter(TargetAdapter):
             f"kl_loss_type {a.kl_loss_type}": a.use_kl_loss and a.kl_loss_type not in
             self.kl_estimators, f"kl_penalty {alg.kl_penalty}": alg.use_kl_in_reward
             and alg.kl_penalty not in self.kl_estimators,
-            "rollout correction": rc.rollout_is is not None or rc.use_rollout_kl_loss,
+            "rollout KL loss": rc.use_rollout_kl_loss,
             "distillation": a.distill.enable, "shuffle": a.shuffle,
         }
         why = [k for k, bad in unsupported.items() if bad]
@@ -167,13 +173,14 @@ class ToyAdapter(TargetAdapter):
                                    cfg, self._counts(response_mask, denominators))
         return loss, {METRICS[k]: v for k, v in stats.items()}
 
-    def make_microbatches(self, batch, *, dp_size, micro_batch_size=None, max_token_len=None):
+    def make_microbatches(self, batch, *, dp_size, micro_batch_size=None, max_token_len=None,
+                          extra_padding=0):
         data = to_toy(batch)
         n = len(data["index"]) // dp_size
         shards = [toy.take(data, list(range(r * n, (r + 1) * n))) for r in range(dp_size)]
         ranks = [toy.split_micro_batches(s, rows=micro_batch_size, max_tokens=max_token_len)
                  for s in shards]
-        most = max(len(r) for r in ranks)
+        most = max(len(r) for r in ranks) + extra_padding
         ranks = [r + [toy.padding_micro_batch(s) for _ in range(most - len(r))]
                  for r, s in zip(ranks, shards)]
         return [[from_toy(mb) for mb in r] for r in ranks]
@@ -188,8 +195,7 @@ class ToyAdapter(TargetAdapter):
         return {"tokens": int(m.sum()), "seqs": int(m.any(-1).sum()), "norm_len": m.shape[-1]}
 
     # ---- whole training step -------------------------------------------------------------------
-    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
-                   device="cpu"):
+    def _trainer(self, model_path, ref_model_path, batch, config, device):
         dtype = config.trainer.dtype
         model = load_model(model_path, dtype).to(device)
         ref = None
@@ -198,6 +204,11 @@ class ToyAdapter(TargetAdapter):
         trainer = self.trainer_class(model, toy_config(config, len(batch)), ref)
         data = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                 for k, v in to_toy(batch).items()}
+        return model, trainer, data
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        model, trainer, data = self._trainer(model_path, ref_model_path, batch, config, device)
         out = TrainStepOutput(metrics=[])
         for step in range(steps):
             seen = len(trainer.micro_batches_seen)
@@ -207,9 +218,20 @@ class ToyAdapter(TargetAdapter):
                 out.log_probs, out.entropy = derived["old_log_probs"], derived["entropy"]
                 out.tokens = {k: derived[k] for k in ("old_log_probs", "ref_log_probs", "kl",
                                                       "token_level_scores",
-                                                      "token_level_rewards", "advantages")
+                                                      "token_level_rewards", "advantages",
+                                                      "rollout_is_weights")
                               if k in derived}
             out.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
             out.microbatches.append([[[from_toy(mb) for mb in micros]
                                       for micros in trainer.micro_batches_seen[seen:]]])
         return out
+
+    def probe_model(self, *, model_path, ref_model_path=None, batch, config, step=0,
+                    device="cpu"):
+        """The actor as ToyTrainer holds it at the start of training step ``step`` (after
+        ``step`` steps on ``batch``): rlaudit hooks its modules to say where a parity failure
+        starts (docs/targets.md, "Where a parity failure starts: probe_model")."""
+        model, trainer, data = self._trainer(model_path, ref_model_path, batch, config, device)
+        for _ in range(step):
+            trainer.step(data)
+        return model

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, VariantRun
-from rlaudit.backends.launch import launch
+from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.reference import torch_roles
 from rlaudit.backends.replay import replay_variant
 
@@ -58,10 +59,12 @@ def _rank_main(info, request: ReplayRequest) -> dict[str, VariantRun]:
     out = {}
     for variant in request.variants:
         torch.manual_seed(variant.config.trainer.seed)
-        out[variant.name] = replay_variant(
-            lambda v: torch_roles(request.model, v, dtype=param_dtype, device=str(info.device),
-                                  wrap=wrap, distributed=True, ref_model_path=request.ref_model),
-            variant)
+        make_roles = (lambda v: torch_roles(request.model, v, dtype=param_dtype,
+                                            device=str(info.device), wrap=wrap, distributed=True,
+                                            ref_model_path=request.ref_model))
+        if request.faults:  # test-only (rlaudit/backends/faults.py)
+            variant, make_roles = faults.inject(request.faults, "fsdp", variant, make_roles)
+        out[variant.name] = replay_variant(make_roles, variant)
     return out
 
 
@@ -80,8 +83,9 @@ class FSDPBackend:
 
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         dp = int(request.layout.get("dp", 1))
-        per_rank = launch(_rank_main, dp, args=(request,), device=request.device,
-                          timeout=request.timeout)
+        # a warm pool when `rlaudit run` / a pytest session holds one, else a one-shot launch
+        per_rank = run_ranks(_rank_main, dp, pool="fsdp", args=(request,),
+                             device=request.device, timeout=request.timeout)
         runs = per_rank[0]
         for name, run in runs.items():
             # every rank's micro-batch log, step by step (rank order)

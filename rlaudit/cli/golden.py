@@ -37,10 +37,13 @@ def bless(args) -> int:
     from rlaudit.report.console import render_result
     from rlaudit.scenarios.engine import run_scenario
     from rlaudit.scenarios.spec import load_scenario
+    from rlaudit.backends.launch.pool import warm_pools
     paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
-    for scn in [load_scenario(p) for p in paths]:
-        res = run_scenario(scn, backends=args.backends, golden_dir=args.golden_dir, bless=True)
-        print(render_result(res))
+    with warm_pools():  # one spawn per multi-rank layout for all the scenarios
+        for scn in [load_scenario(p) for p in paths]:
+            res = run_scenario(scn, backends=args.backends, golden_dir=args.golden_dir,
+                               bless=True)
+            print(render_result(res))
     print("goldens regenerated: review `git diff golden/` before committing; this run exits 1 so "
           "that a bless never passes CI by accident", file=sys.stderr)
     return EXIT_CHECK_FAILED
@@ -54,7 +57,9 @@ def calibrate(args) -> int:
     from rlaudit.scenarios.spec import load_scenario
     (path,) = resolve_scenarios([args.scenario], all_=False, scenarios_dir=args.scenarios_dir)
     scn = load_scenario(path)
-    proposed = calibrate_scenario(scn, runs=args.runs, backends=args.backends)
+    from rlaudit.backends.launch.pool import warm_pools
+    with warm_pools():  # the runs reuse the ranks, each restored to a fresh rank's state
+        proposed = calibrate_scenario(scn, runs=args.runs, backends=args.backends)
     print(json.dumps(proposed, indent=1, sort_keys=True))
     if args.write:
         gp = golden_path(Path(args.golden_dir), scn)

@@ -38,6 +38,14 @@ def add_parser(sub) -> None:
                    help="override every scenario's device (nightly GPU job: cuda)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds a multi-rank backend may take per scenario (default: %(default)s)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="where the scenario x backend jobs run: this machine with warm rank "
+                        "pools, or Ray (placement group per multi-rank job; default: %(default)s)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="join this Ray cluster (--executor ray; default: start a local one)")
+    p.add_argument("--jobs", type=int, default=2, metavar="N",
+                   help="scenarios in flight with the local executor (default: %(default)s: one "
+                        "scenario's in-process work overlaps another's multi-rank replay)")
     p.set_defaults(func=run)
 
 
@@ -53,6 +61,20 @@ def argparse_bless_help() -> str:
 
 
 def run(args) -> int:
+    from rlaudit.backends.launch.pool import warm_pools
+    from rlaudit.cli.quiet import third_party_to_log
+
+    # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
+    log = Path(args.report_dir) / "rlaudit.log"
+    try:
+        with third_party_to_log(log), warm_pools():
+            return _run(args)
+    finally:
+        if log.is_file() and log.stat().st_size:
+            print(f"third-party warnings and logs: {log}", file=sys.stderr)
+
+
+def _run(args) -> int:
     if args.target:
         from rlaudit.targets.runner import run_target
         results = run_target(args.target, scenario_names=args.scenarios, all_=args.all,
@@ -63,25 +85,31 @@ def run(args) -> int:
                 print(render_result(res), flush=True)
                 print(flush=True)
     else:
-        from rlaudit.scenarios.engine import run_scenario
         from rlaudit.scenarios.spec import load_scenario
         paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
         scenarios = [load_scenario(p) for p in paths]  # validate every file before running any
+        from rlaudit.scenarios.engine import run_scenario  # torch: only once the input is good
         for scn in scenarios:
             if args.device:
                 scn.device = args.device
+        from rlaudit.executors import make_executor
         results = []
-        for scn in scenarios:
-            if not args.json:
-                print(f"running {scn.name} ...", file=sys.stderr, flush=True)
-            res = run_scenario(scn, backends=_with_oracle(args.backends),
-                               golden_dir=args.golden_dir,
-                               bless=args.bless, timeout=args.timeout)
-            results.append(res)
-            if not args.json:
-                from rlaudit.report.console import render_result
-                print(render_result(res), flush=True)
-                print(flush=True)
+        backends = _with_oracle(args.backends)
+
+        def run_one(scn, replay):
+            return run_scenario(scn, backends=backends, golden_dir=args.golden_dir,
+                                bless=args.bless, timeout=args.timeout, replay=replay)
+
+        with make_executor(args.executor, scenarios, backends=backends,
+                           progress=not args.json or sys.stderr.isatty(),
+                           ray_address=args.ray_address, jobs=args.jobs) as executor:
+            for scn, res in executor.map(scenarios, run_one):
+                results.append(res)
+                if not args.json:
+                    from rlaudit.report.console import render_result
+                    with executor.progress.paused():
+                        print(render_result(res), flush=True)
+                        print(flush=True)
     _report(results, args)
     if args.json:
         json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)

@@ -65,6 +65,9 @@ class ScenarioResult:
     provenance: dict[str, Any] = field(default_factory=dict)      # model/rollout sha, versions
     runs: dict[str, Any] = field(default_factory=dict, repr=False)
     """backend -> variant -> VariantRun (in-memory only: per-token tensors for diff artifacts)."""
+    localisation: list[dict[str, Any]] = field(default_factory=list)
+    """Where each failing parity/golden check first diverged (rlaudit/scenarios/localise.py);
+    empty, and absent from the JSON, when nothing failed."""
 
     @property
     def passed(self) -> bool:
@@ -74,6 +77,9 @@ class ScenarioResult:
     def to_json(self) -> dict[str, Any]:
         runs, self.runs = self.runs, {}
         try:
-            return asdict(self) | {"passed": self.passed}
+            out = asdict(self) | {"passed": self.passed}
+            if not out["localisation"]:  # a passing scenario's JSON is unchanged
+                del out["localisation"]
+            return out
         finally:
             self.runs = runs

@@ -535,8 +535,8 @@ def run_stage_checks(adapter: object, *, stages: list[str] | None = None,
                      model_path: str | None = None) -> ScenarioResult:
     """Every registered check, on the stages the adapter provides (``stages`` restricts them),
     as the pseudo-scenario ``"stages"`` with the adapter as its only backend."""
-    from rlaudit.targets import (batch_checks, filter_checks,  # noqa: F401  (register)
-                                 loss_checks)
+    from rlaudit.targets import (batch_checks, filter_checks,  # noqa: F401  (register
+                                 identity_checks, loss_checks)  # their checks)
     t0 = time.perf_counter()
     env = StageEnv(adapter, model_path=model_path)
     name = env.name

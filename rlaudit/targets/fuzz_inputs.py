@@ -21,8 +21,9 @@ correct trainer at its declared precision (zero false alarms):
   ~|log-ratio| * eps * sqrt(n) to cancellation.
 - ``ref_log_prob - log_prob`` and ``ref_log_prob - old_log_prob`` stay in [-10, 2.5], where k3's
   value clamp (10, verl's) is inactive; every log-prob is < 0.
-- no ratio (per token, or GSPO's per-row geometric mean) lies within 1e-4 of a clip bound
-  (1 - low, 1 + high, c): there a float32 trainer may legitimately round to the other side.
+- no ratio (per token, or GSPO's per-row geometric mean) lies within 1e-4 of a clip bound any
+  check uses (1 - low, 1 + high, c): there a float32 trainer may legitimately round to the
+  other side, and clip-effect's "the loss must move" needs a margin.
 - scores and reward shaping are dyadic (multiples of 1/4 and 1/64): a group's rewards are either
   exactly equal (GRPO std exactly 0 in every precision) or differ by >= 1/64, never by rounding
   noise that a float32 std would see as 0 and a float64 one would divide by.
@@ -136,11 +137,21 @@ def _log_ratios(regime: str, shape, g, clip, bound: float) -> torch.Tensor:
     return ratio.log().clamp(-bound, bound)
 
 
+def clip_bounds() -> list[float]:
+    """Every ratio bound a check uses: 1 - low, 1 + high and c of the clip settings of
+    policy_loss:parity and of the moves of policy_loss:clip-effect."""
+    from rlaudit.targets.identity_checks import CLIP_MOVES
+    from rlaudit.targets.loss_checks import CLIP_SETTINGS
+    settings = list(CLIP_SETTINGS) + [c for move in CLIP_MOVES for c in move[1:3]]
+    return sorted({b for low, high, c in settings for b in (1 - low, 1 + high, c)})
+
+
 def _away_from_bounds(lr: torch.Tensor, mask: torch.Tensor, clip) -> torch.Tensor:
     """Nudge log-ratios (per token, and per row for GSPO's geometric mean) whose ratio lies
-    within BOUND_GAP of a clip bound by 2e-3."""
+    within BOUND_GAP of a clip bound (of ``clip`` or of any check, :func:`clip_bounds`) by
+    2e-3."""
     low, high, c = clip
-    bounds = torch.tensor([1 - low, 1 + high, c], dtype=torch.float64)
+    bounds = torch.tensor(sorted({1 - low, 1 + high, c, *clip_bounds()}), dtype=torch.float64)
     for _ in range(3):
         near = ((lr.exp().unsqueeze(-1) / bounds - 1).abs() < BOUND_GAP).any(-1)
         n = mask.sum(-1).clamp(min=1)
@@ -348,12 +359,13 @@ def microbatch_draws(draw, *, tokens: bool = True):
                                prompt_lengths=prompt_lengths, response_lengths=lengths,
                                mask=mask, prompt_width=prompt_width,
                                seed=draw(st.integers(0, 2**31 - 1)))
+    extra = draw(st.integers(0, 2))      # extra padding micro-batches (cutters that take it)
     if tokens and draw(st.booleans()):
         # at least the padded width P + R: verl asserts max_token_len >= the padded sequence
         # length (seqlen_balancing.prepare_dynamic_batch), a precondition, not a bug
-        layout = (dp, None, prompt_width + width + draw(st.integers(0, 12)))
+        layout = (dp, None, prompt_width + width + draw(st.integers(0, 12)), extra)
     else:
-        layout = (dp, draw(st.integers(1, 4)), None)
+        layout = (dp, draw(st.integers(1, 4)), None, extra)
     return Draw((), {"microbatch_inputs": (batch,), "layouts": (layout,)})
 
 

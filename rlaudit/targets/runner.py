@@ -157,6 +157,9 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
         res.checks.extend(apply_differences(check_invariant(inv, ctx, name, adapter,
                                                             target.skipped), name, decl))
     res.runs = runs
+    if not res.passed:  # only a failure is localised: nothing extra runs otherwise
+        from rlaudit.targets.localise import localise_target
+        res.localisation = localise_target(adapter, name, scn, ctx, res)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -111,7 +111,9 @@ def test_generated_cases_stay_where_the_reference_is_right(case):
     assert bool((lp[m] < 0).all() and (old[m] < 0).all() and (ref[m] < 0).all())
     for d in (ref - lp, ref - old):          # k3's value clamp inactive
         assert bool((d[m] >= K3_SAFE[0]).all() and (d[m] <= K3_SAFE[1]).all())
-    bounds = torch.tensor([0.8, 1.28, 3.0], dtype=torch.float64)
+    from rlaudit.targets.fuzz_inputs import clip_bounds
+    bounds = torch.tensor(clip_bounds(), dtype=torch.float64)
+    assert {0.8, 0.9, 1.2, 1.28, 3.0, 5.0} <= {round(b, 6) for b in clip_bounds()}
     ratio = lr[m].exp().unsqueeze(-1)
     assert bool(((ratio / bounds - 1).abs() >= BOUND_GAP * 0.99).all())
     # scores dyadic; rewards of a row sum to a multiple of 1/64
@@ -127,11 +129,11 @@ def test_generated_cases_stay_where_the_reference_is_right(case):
 @settings(max_examples=40)
 @given(microbatch_draws())
 def test_generated_microbatch_inputs_are_valid_layouts(draw):
-    (batch,), ((dp, mbs, tokens),) = draw.overrides["microbatch_inputs"], \
+    (batch,), ((dp, mbs, tokens, extra),) = draw.overrides["microbatch_inputs"], \
         draw.overrides["layouts"]
-    assert len(batch) % dp == 0 and (mbs is None) != (tokens is None)
+    assert len(batch) % dp == 0 and (mbs is None) != (tokens is None) and 0 <= extra <= 2
     if tokens is not None:
-        assert tokens >= int(batch.sequence_lengths().max())
+        assert tokens >= batch.prompt_width + batch.response_width
     first = batch["prompt_ids"][:, 0].tolist()
     assert len(set(first)) == len(first)     # rows recognisable
 

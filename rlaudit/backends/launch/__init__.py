@@ -118,7 +118,6 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     fn_name = _describe(fn)
 
     import torch
-    import torch.distributed as dist
 
     root = Path(tempfile.mkdtemp(prefix="rlaudit-launch-"))
     store = None
@@ -126,8 +125,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         scratch_dir(root).mkdir()
         # the launcher enforces `timeout`; torch's own clocks only need to outlast startup
         torch_timeout = max(timeout, _group.STARTUP_TIMEOUT_S)
-        store = dist.TCPStore(MASTER_ADDR, 0, None, is_master=True,
-                              timeout=timedelta(seconds=torch_timeout), wait_for_workers=False)
+        store = host_store(torch_timeout)
         specs = [_spec(r, world_size, device, backend, root, store.port, torch_timeout,
                        threads_per_rank, rank_env) for r in range(world_size)]
         group = RankGroup(specs, payload)
@@ -149,6 +147,15 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     finally:
         del store  # closes the rendezvous port
         shutil.rmtree(root, ignore_errors=True)
+
+
+def host_store(timeout_s: float):
+    """The rendezvous store a group's ranks join (``MASTER_PORT``): hosted by the launcher (or a
+    warm pool), port 0 so the OS picks a free one that stays held while the store lives."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(MASTER_ADDR, 0, None, is_master=True,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _spec(rank: int, world_size: int, device: str, backend: str, root: Path, port: int,

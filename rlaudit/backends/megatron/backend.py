@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
+from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
-from rlaudit.backends.launch import launch
+from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.replay import replay_variant
 from rlaudit.errors import InputError
 from rlaudit.update.step import Roles, needs_ref
@@ -161,6 +162,9 @@ def replay_in_rank(info, request: ReplayRequest) -> dict[str, VariantRun]:
                 made.append(_actor_context(actor_ckpt, v, **kw))
                 return Roles(actor=made[-1], ref=ref)
 
+            if request.faults:  # test-only (rlaudit/backends/faults.py)
+                variant, make_roles = faults.inject(request.faults, "megatron", variant,
+                                                    make_roles)
             run = replay_variant(make_roles, variant)
             run.info["norm_log"] = list(made[0].norm_log)
             run.info["optimizer"] = "+".join(type(o).__name__ for o in made[0].inner_optimizers())
@@ -212,8 +216,10 @@ class MegatronBackend:
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         layout = check_request(request)
         tp, pp, dp = layout
-        per_rank = launch(replay_in_rank, tp * pp * dp, args=(request,), device=request.device,
-                          timeout=request.timeout)
+        # one warm pool per world size serves every layout of that size: replay_in_rank builds
+        # (and tears down) the layout's parallel_state per request
+        per_rank = run_ranks(replay_in_rank, tp * pp * dp, pool="megatron", args=(request,),
+                             device=request.device, timeout=request.timeout)
         return merge_ranks(per_rank, layout)
 
 
