@@ -35,12 +35,14 @@ STAGE_LEVEL = {
     "MaskedValuesLeak": ["policy_loss"], "MutatesRewards": ["compute_advantages"],
     "MetricsViewBuffer": ["policy_loss"], "NaNAdvantages": ["compute_advantages"],
     "FilterDropsSingletons": ["filter_groups"], "FilterMisalignsScores": ["filter_groups"],
+    "NoPaddingToy": ["make_microbatches"],
     "AliasedAdvantagesReturns": ["compute_advantages"],        # not a bug: must stay clean
 }
 RUN_LEVEL = ["EntropyNotLogged", "GradNormAfterClip", "PerMicroMeanTrainer",
              "MetricsReusedBuffer", "IgnoresAggModeTrainer", "MutatesInputBatch",
              "IgnoresTemperature", "ScoreOnLastTrainedToken", "IgnoresEpochs", "RefFromActor",
-             "FilterMisalignsScores"]
+             "FilterMisalignsScores", "KLLossSignFlipped", "CPMetricsReducedTwice",
+             "CPLossScaledBySize", "SequenceISFromMean", "SequenceISPerToken"]
 
 
 def main() -> int:

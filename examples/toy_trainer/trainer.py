@@ -13,8 +13,9 @@ Data layout (a verl ``DataProto``-like dict):
 One ``step(data)``: DAPO dynamic sampling when enabled (drop the groups whose score does not
 vary) -> old (and reference) log-probs -> scores (plus DAPO's overlong penalty) on the last token,
 minus KL when KL is in the reward -> GRPO advantages -> for each epoch, each mini-batch (one
-optimizer step), each micro-batch: PPO-clip loss + entropy bonus + KL loss, normalised by the *mini-batch's* token /
-sequence counts, backward -> clip grads -> optimizer step. Metrics average over optimizer steps.
+optimizer step), each micro-batch: PPO-clip loss + entropy bonus + KL loss, normalised by the
+*mini-batch's* token / sequence counts, backward -> clip grads -> optimizer step. Metrics average
+over optimizer steps.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ToyConfig:
     overlong_buffer: int = 0            # > 0: DAPO's overlong penalty on the last this many tokens
     overlong_penalty_factor: float = 1.0
     filter_groups: bool = False         # DAPO dynamic sampling at the start of a step
-    filter_metric: str = "seq_reward"   # acc | score (the rule score) | seq_reward | seq_final_reward
+    filter_metric: str = "seq_reward"   # acc | score (rule score) | seq_reward | seq_final_reward
 
 
 # ---- algorithms --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK
 #: shown in --help; the library's defaults (rlaudit.targets.fuzz.DEFAULT_BUDGET,
 #: rlaudit.targets.fuzz_run.DEFAULT_RUN_BUDGET) apply when the option is not given, and
 #: tests/cli/test_fuzz_cli.py checks that these say the same (no torch import to build --help)
-HELP_BUDGET, HELP_RUN_BUDGET = 40, 20
+HELP_BUDGET, HELP_RUN_BUDGET = 60, 80
 
 
 def add_parser(sub) -> None:

@@ -38,7 +38,7 @@ from rlaudit.targets.fuzz_inputs import Draw, stage_draws
 
 #: Hypothesis examples per stage check (``--budget``): enough to find every stage-level broken
 #: adapter of tests/targets/broken_adapters.py (tests/targets/test_fuzz.py measures it)
-DEFAULT_BUDGET = 40
+DEFAULT_BUDGET = 60
 #: bump when the strategies change shape, so stale database entries are not replayed
 STRATEGY_VERSION = 1
 
@@ -144,9 +144,9 @@ def fuzz_check(adapter: object, decl: Declarations, check: StageCheck, *, budget
 
 def fuzz_target(target: str | object, *, stages: list[str] | None = None,
                 checks: list[str] | None = None, budget: int = DEFAULT_BUDGET,
-                found_dir: str | Path = "scenarios/found", report_dir: str | Path = "reports", rng_seed: int = 0, write: bool = True,
-                run_budget: int | None = None, scenarios_dir: str | Path = "scenarios"
-                ) -> FuzzReport:
+                found_dir: str | Path = "scenarios/found", report_dir: str | Path = "reports",
+                rng_seed: int = 0, write: bool = True, run_budget: int | None = None,
+                scenarios_dir: str | Path = "scenarios") -> FuzzReport:
     """Fuzz every stage check of ``target`` (``"module:Attr"`` or an adapter), restricted to
     ``stages`` (and to the check names ``checks``); ``train_step`` (when provided and selected)
     at run level with ``run_budget`` examples (:mod:`rlaudit.targets.fuzz_run`). Findings are

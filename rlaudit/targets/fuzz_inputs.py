@@ -363,7 +363,9 @@ def microbatch_draws(draw, *, tokens: bool = True):
     if tokens and draw(st.booleans()):
         # at least the padded width P + R: verl asserts max_token_len >= the padded sequence
         # length (seqlen_balancing.prepare_dynamic_batch), a precondition, not a bug
-        layout = (dp, None, prompt_width + width + draw(st.integers(0, 12)), extra)
+        # up to twice that: a budget that fits whole shards never needs padding micro-batches
+        layout = (dp, None, prompt_width + width + draw(st.integers(0, prompt_width + width)),
+                  extra)
     else:
         layout = (dp, draw(st.integers(1, 4)), None, extra)
     return Draw((), {"microbatch_inputs": (batch,), "layouts": (layout,)})

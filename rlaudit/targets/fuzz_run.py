@@ -1,21 +1,23 @@
 """Run-level fuzzing of an adapter's ``train_step`` (part of ``rlaudit fuzz``).
 
-Each example is a whole scenario: Hypothesis draws a training configuration (every knob in
-:data:`KNOBS`, the first value of each being rlaudit's default, so the simplest example is the
-default configuration) and a geometry of the built-in rollout (prompt groups dropped, rows
-reordered so a group's rows are scattered, rule scores as sampled or as 0/1 accuracy; every group
-keeps its ``rollout.n`` rows, as generation produces them). The scenario is replayed on the target and on the reference
-backend through :func:`rlaudit.targets.runner.run_target_scenario` — the target's declared
-precision, noise floor, metric reduction, differences and ``supports`` apply as in ``rlaudit run``
-— with the invariants that need no variant beyond the base run (:data:`INVARIANTS`). Configs the
-adapter does not support are discarded, not counted as passed.
+Each example is a whole scenario: Hypothesis draws a training configuration (every knob of
+:func:`knobs`, the first value of each being rlaudit's default, and the first example all
+defaults) and a version of the built-in rollout: prompt groups dropped (whole groups: each keeps
+its ``rollout.n`` rows, as generation produces them), rows reordered so a group's rows are
+scattered, rule scores as sampled or as 0/1 accuracy, sampling log-probs as recorded or stale
+(:func:`stale`). The scenario is replayed on the target and on the reference backend through
+:func:`rlaudit.targets.runner.run_target_scenario` (the target's declared precision, noise floor,
+metric reduction, differences, ``filters_groups`` and ``supports`` apply as in ``rlaudit run``)
+with the invariants that need no variant beyond the base run (:data:`INVARIANTS`). Examples the
+adapter does not support (``supports``, ``NotImplementedError``) or the reference rejects for
+the drawn rows are discarded, not counted as passed.
 
 An example costs three training runs (target, reference, the reference's noise-floor replay), so
 Hypothesis only generates; the first failure is shrunk here, greedily and within a bound
 (:data:`MAX_SHRINKS` runs): the knobs back to their defaults (halves first), the rows back in
-order, then groups dropped, each change kept while the same invariant still fails. The result is written as an
-ordinary scenario (``<name>.yaml`` + ``<name>.safetensors``) that ``rlaudit run --target X``
-replays.
+order, then groups dropped, each change kept while the same invariant still fails. The result is
+written as an ordinary scenario (``<name>.yaml`` + ``<name>.safetensors``) that ``rlaudit run
+--target X`` replays.
 
 Held fixed, as the built-in scenario does (so that every term a knob switches on moves results
 visibly): the tiny Qwen2 snapshot, the tiny Llama as reference policy, float64, SGD with lr 0.5,
@@ -50,11 +52,16 @@ from rlaudit.targets import builtin
 from rlaudit.targets.adapter import adapter_name, supported_names, supports
 from rlaudit.targets.fuzz_inputs import default_first
 
-#: examples per run-level fuzz (``--run-budget``; the default example first). A bug one knob
-#: value in four exposes (entropy computed with coefficient 0) is missed by 19 random examples
-#: with probability 0.75^19 ~ 0.4%; benchmarks/fuzz_broken.py measures 1-7 examples for each
-#: train_step bug of tests/targets/broken_adapters.py
-DEFAULT_RUN_BUDGET = 20
+#: examples per run-level fuzz (``--run-budget``; the default example first). The rarest
+#: conditions among the train_step bugs of tests/targets/broken_adapters.py (a self-filtering
+#: trainer's misalignment: the DAPO filter on, 0/1 scores, no overlong penalty, both groups
+#: kept; a wrong sequence-level IS weight: level sequence on a stale rollout) hold in ~10% of
+#: the drawn examples (measured over 2000), so 79 random examples miss one with probability
+#: ~0.03%; benchmarks/fuzz_broken.py measures the examples each bug takes (seeds 0-3: 1 to 68)
+DEFAULT_RUN_BUDGET = 80
+#: a prompt group of the built-in rollout is dropped with this probability (each kept group
+#: makes more knobs visible: the filter needs a group with spread and one without)
+DROP_GROUP = 0.25
 #: training runs the greedy shrink may spend
 MAX_SHRINKS = 12
 #: invariants that read only the base run (no extra variant: one example = three runs)
@@ -72,6 +79,9 @@ BASE = {
 }
 #: scores >= this are 1, else 0, under the "accuracy" score knob (one group then has no spread)
 ACCURACY_AT = 0.9
+#: std of the shift of the sampling log-probs under the "stale" mismatch knob: per-token
+#: log-ratios of O(0.5), sequence weights far past the truncation threshold 2
+MISMATCH = 0.5
 
 
 def knobs(adapter) -> dict[str, list]:
@@ -102,7 +112,11 @@ def knobs(adapter) -> dict[str, list]:
         "algorithm.filter_groups.enable": [False, True],
         "reward.overlong_buffer.enable": [False, True],
         "trainer.extra_padding_microbatches": [0, 1],
+        "actor.context_parallel_size": [1, 2],
+        "actor.rollout_correction.rollout_is": [None, "token", "sequence", "geometric"],
+        "actor.rollout_correction.rollout_is_mode": ["truncate", "mask"],
         "scores": ["sampled", "accuracy"],
+        "mismatch": ["none", "stale"],
     }
 
 
@@ -115,7 +129,9 @@ def example_strategy(adapter, rows: int, groups: int):
     @st.composite
     def example(draw):
         values = {k: draw(st.sampled_from(v)) for k, v in table.items() if v}
-        drop = draw(st.lists(st.booleans(), min_size=groups, max_size=groups))
+        drop = [draw(st.integers(0, int(1 / DROP_GROUP) - 1)) == 1 for _ in range(groups)]
+        if all(drop):                   # nothing left to train on: keep every group instead
+            drop = [False] * groups
         order = draw(st.permutations(list(range(rows))))
         return {"knobs": values, "drop": drop, "order": order}
     return example()
@@ -132,7 +148,7 @@ def config_of(values: dict) -> tuple[dict, int]:
     """(config dict, steps) of knob values."""
     cfg = yaml.safe_load(yaml.safe_dump(BASE))
     for key, v in values.items():
-        if key in ("steps", "scores") or v is None:
+        if key in ("steps", "scores", "mismatch") or v is None:
             continue
         if key == "clip":
             cfg["actor"]["clip_ratio_low"], cfg["actor"]["clip_ratio_high"] = v
@@ -145,6 +161,14 @@ def config_of(values: dict) -> tuple[dict, int]:
     if values.get("actor.use_dynamic_bsz"):
         cfg["actor"]["ppo_max_token_len_per_gpu"] = 24
     return cfg, int(values.get("steps", 1))
+
+
+def invariants_of(ex: dict) -> list[str]:
+    """:data:`INVARIANTS`, without rollout-parity for a stale rollout (its sampling log-probs
+    are not the policy's by construction)."""
+    if ex["knobs"].get("mismatch") == "stale":
+        return [i for i in INVARIANTS if i != "rollout-parity"]
+    return list(INVARIANTS)
 
 
 def config_for(ex: dict, raw: RolloutBatch) -> tuple[dict, int]:
@@ -174,7 +198,21 @@ def rollout_of(batch: RolloutBatch, ex: dict) -> RolloutBatch | None:
     out = batch.select(rows)
     if ex["knobs"].get("scores") == "accuracy":
         out = out.with_fields(scores=(out["scores"] >= ACCURACY_AT).double())
+    if ex["knobs"].get("mismatch") == "stale":
+        out = stale(out)
     return out
+
+
+def stale(batch: RolloutBatch) -> RolloutBatch:
+    """The rollout as if sampled by an older policy: its sampling log-probs moved by
+    ``MISMATCH * N(0, 1)`` (fixed seed) on response tokens, so rollout importance weights are
+    far from 1 and truncation acts (rollout-parity is not checked on such a rollout)."""
+    g = torch.Generator().manual_seed(0)
+    lp = batch["rollout_log_probs"]
+    noise = MISMATCH * torch.randn(lp.shape, generator=g, dtype=torch.float64).to(lp.dtype)
+    in_resp = torch.arange(lp.shape[1]).unsqueeze(0) < batch["response_lengths"].unsqueeze(1)
+    return batch.with_fields(rollout_log_probs=torch.where(in_resp, (lp + noise).clamp(max=0.0),
+                                                           lp))
 
 
 class _Found(Exception):
@@ -203,7 +241,7 @@ class RunProbe:
             return None
         return Scenario(name="fuzz", path=Path("<rlaudit fuzz>"), description="",
                         model=self.model, ref_model=self.ref, rollout=rollout_path, config=cfg,
-                        backends={"reference": {}}, invariants=list(INVARIANTS), steps=steps,
+                        backends={"reference": {}}, invariants=invariants_of(ex), steps=steps,
                         dtype="float64", tolerances={"default": builtin.TOLERANCE},
                         tags=["fuzz"])
 
@@ -225,7 +263,7 @@ class RunProbe:
             return None
         self.runs += 1
         try:
-            res = run_target_scenario(self.adapter, scn, batch, invariants=list(INVARIANTS),
+            res = run_target_scenario(self.adapter, scn, batch, invariants=scn.invariants,
                                       unfiltered=raw)
         except InputError:      # e.g. mini-batches that do not divide the drawn rows
             return None
@@ -312,7 +350,7 @@ def fuzz_train_step(adapter, report, *, spec: str, budget: int | None, found_dir
         seed(rng_seed)(example(default_example(table, *probe.geometry))(
             given(example_strategy(adapter, *probe.geometry))(body))))
     test._hypothesis_internal_database_key = hashlib.sha256(
-        f"rlaudit-fuzz-run:2:{probe.name}".encode()).digest()
+        f"rlaudit-fuzz-run:5:{probe.name}".encode()).digest()
     t0 = time.perf_counter()
     try:
         test()
@@ -367,7 +405,7 @@ def save_run_case(directory: Path, name: str, probe: RunProbe, ex: dict, *, targ
         "model": os.path.relpath(probe.model, directory),
         "ref_model": os.path.relpath(probe.ref, directory),
         "rollout": f"{name}.safetensors", "steps": steps, "dtype": "float64",
-        "config": cfg, "backends": {"reference": {}}, "invariants": list(INVARIANTS),
+        "config": cfg, "backends": {"reference": {}}, "invariants": invariants_of(ex),
         "tolerances": {"default": {"rtol": builtin.TOLERANCE.rtol,
                                    "atol": builtin.TOLERANCE.atol}},
         "tags": ["found", "fuzz"],
