@@ -27,6 +27,9 @@ def pytest_addoption(parser):
                     help="golden files directory, relative to the rootdir (default: %(default)s)")
     group.addoption("--rlaudit-bless", action="store_true",
                     help="regenerate golden files from this run (items still fail)")
+    group.addoption("--rlaudit-require-golden", action="store_true",
+                    help="an item without a golden to compare against fails (default: it passes "
+                         "on its invariants)")
 
 
 def pytest_configure(config):
@@ -97,7 +100,10 @@ class ScenarioItem(pytest.Item):
                 golden_dir = Path(self.config.rootpath) / golden_dir
             res.golden = compare_or_bless(self.scenario, {self.backend: res.runs[self.backend]},
                                           golden_dir, bless=self.config.getoption("rlaudit_bless"))
-        if not res.passed:
+        from rlaudit.scenarios.result import NO_GOLDEN_STATE, PASSED
+        allowed = {PASSED} | (set() if self.config.getoption("rlaudit_require_golden")
+                              else {NO_GOLDEN_STATE})
+        if res.state not in allowed:
             raise ScenarioFailed(render_result(res))
 
     def repr_failure(self, excinfo, style=None):

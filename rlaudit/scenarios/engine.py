@@ -22,6 +22,7 @@ from rlaudit.scenarios.invariants import INVARIANTS
 from rlaudit.scenarios.invariants.base import CheckContext, base_variant
 from rlaudit.scenarios.result import ERROR, NA, CheckResult, ScenarioResult
 from rlaudit.scenarios.spec import Scenario
+from rlaudit.scenarios.validate import replayable_variants
 
 
 def build_variants(scn: Scenario, batch) -> list[Variant]:
@@ -49,9 +50,12 @@ def check_sampling_matches(scn: Scenario, batch) -> None:
 
 def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                  golden_dir: str | Path | None = None, bless: bool = False,
-                 timeout: float = 900.0) -> ScenarioResult:
+                 timeout: float = 900.0, force: bool = False) -> ScenarioResult:
     """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
-    megatron-core not installed) are reported as n/a for every invariant, never as passed."""
+    megatron-core not installed) are reported as n/a for every invariant, never as passed.
+    ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
+    crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
+    left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate)."""
     t0 = time.perf_counter()
     batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
     check_sampling_matches(scn, batch)
@@ -65,7 +69,7 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     # runs X wherever the scenarios configure it
     skipped = [b for b in names if b not in scn.backends and b != "reference"]
     names = [b for b in names if b not in skipped]
-    variants = build_variants(scn, batch)
+    variants = replayable_variants(scn, batch)
     res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names + skipped,
                          config=flatten(to_dict(scn.config)),
                          layouts={b: dict(scn.backends.get(b, {})) for b in names + skipped},
@@ -108,7 +112,9 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                                           f"{e}", {"traceback": traceback.format_exc()}))
     res.runs = runs
     if golden_dir is not None:
-        res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless)
+        refuse = golden_mod.bless_blocker(res) if bless and not force else None
+        res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless,
+                                                 refuse=refuse)
     res.seconds = time.perf_counter() - t0
     return res
 
