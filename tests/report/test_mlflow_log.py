@@ -140,8 +140,9 @@ def test_embedded_sqlite_store(make, report_dir, monkeypatch, tmp_path):
     assert parent.info.run_name == "nightly" and parent.info.status == "FINISHED"
     assert parent.data.tags["rlaudit.kind"] == "invocation" and parent.data.tags["ci.job"] == "42"
     assert parent.data.tags["rlaudit.passed"] == "false"
+    assert parent.data.tags["rlaudit.states"] == "scn_a=failed,scn_b=failed"
     assert parent.data.metrics == {"scenarios_total": 2.0, "scenarios_passed": 0.0,
-                                   "seconds": 3.0}
+                                   "scenarios_no_golden": 0.0, "seconds": 3.0}
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"report.html", "report.md", "results.json", "plots"} <= arts
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "plots")} == {
@@ -160,6 +161,7 @@ def test_embedded_sqlite_store(make, report_dir, monkeypatch, tmp_path):
     assert a_fsdp.data.params["layout.dp"] == "2" and a_fsdp.data.params["dtype"] == "float64"
     assert a_fsdp.data.tags["invariant.stored_kl_unaltered"] == "fail"
     assert a_fsdp.data.tags["golden"] == "fail" and a_fsdp.data.tags["ci.job"] == "42"
+    assert a_fsdp.data.tags["rlaudit.state"] == "failed"
     assert by[("scn_b", "fsdp")].info.status == "FAILED"
     assert by[("scn_b", "fsdp")].data.tags["invariant.backend"] == "error"
     assert "rank 1 died" in by[("scn_b", "fsdp")].data.tags["error"]
