@@ -47,10 +47,11 @@ venv-gpu:
 	$(PIP) install -q -e '.[dev,megatron,mlflow,ray,vllm]'
 	touch $(VENV)/.installed
 
+# --require-golden: a scenario x backend with no golden to compare against fails the job
 nightly-gpu:
-	$(BIN)/rlaudit run --all --device cuda
+	$(BIN)/rlaudit run --all --device cuda --require-golden
 	$(BIN)/python -m pytest -q -m gpu
 	$(BIN)/rlaudit report --last 7 --format md
 
 clean:
-	rm -rf $(VENV) reports/mlflow.db reports/mlartifacts reports/latest
+	rm -rf $(VENV) reports/mlflow.db reports/mlflow.db.lock reports/mlartifacts reports/latest
