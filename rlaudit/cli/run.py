@@ -60,8 +60,12 @@ def argparse_bless_help() -> str:
 
 def run(args) -> int:
     if args.target:
+        from rlaudit.scenarios.validate import validate_target
         from rlaudit.targets.runner import run_target
-        results = run_target(args.target, scenario_names=args.scenarios, all_=args.all,
+        paths = (resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
+                 if args.scenarios or args.all else [])
+        adapter = validate_target(args.target, paths)  # stage signatures, scenario inputs
+        results = run_target(adapter, scenario_names=args.scenarios, all_=args.all,
                              scenarios_dir=args.scenarios_dir)
         if not args.json:
             from rlaudit.report.console import render_result

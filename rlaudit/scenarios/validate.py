@@ -328,3 +328,74 @@ def _why_identical(scn, batch, cuts, names) -> str:
         return (" (every micro-batch cut is the same because each mini-batch has one row: "
                 "actor.ppo_mini_batch_size x rollout.n = 1)")
     return ""
+
+
+# ---- adapters (rlaudit run --target) ----------------------------------------------------------
+
+def stage_contract() -> dict[str, tuple[list[str], list[str]]]:
+    """stage -> (positional parameters, required keyword parameters), read from the contract in
+    :mod:`rlaudit.targets.adapter`'s docstring (its "Stages" block is the one place they are
+    written down); parameters with a default there are optional."""
+    import re
+
+    from rlaudit.targets import adapter
+    block = adapter.__doc__.split("Stages (each optional)::", 1)[1].split("\n\n", 2)[1]
+    out = {}
+    for name, params in re.findall(r"^    (\w+)\((.*?)\)\s*(?:\n\s*)?->", block, re.M | re.S):
+        positional, keyword, star = [], [], False
+        for p in (x.strip() for x in params.replace("\n", " ").split(",")):
+            if p == "*":
+                star = True
+            elif p and "=" not in p:
+                (keyword if star else positional).append(p)
+        out[name] = (positional, keyword)
+    return out
+
+
+def adapter_problems(adapter: object, source: str) -> list[InputError]:
+    """Each provided stage must accept the contract's required arguments (positional ones by
+    position, the rest by keyword): a stage that cannot take them is found here, not as a
+    TypeError in the middle of the checks. Parameters of the stage beyond the contract are not
+    judged (the checks pass some optional ones, e.g. ``response_lengths``, when accepted)."""
+    import inspect
+    problems = []
+    for stage, (positional, keyword) in stage_contract().items():
+        fn = getattr(adapter, stage, None)
+        if fn is None:
+            continue
+        if not callable(fn):
+            problems.append(InputError(f"expected a method, got {type(fn).__name__}",
+                                       source=source, key=stage))
+            continue
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue  # a builtin or C callable: nothing to check up front
+        try:
+            sig.bind_partial(*positional, **{k: None for k in keyword})
+        except TypeError as e:
+            call = ", ".join([*positional, "*", *keyword]) if keyword else ", ".join(positional)
+            problems.append(InputError(f"cannot be called as the contract calls it, "
+                                       f"{stage}({call}): {e} (its signature: {stage}{sig})",
+                                       source=source, key=stage))
+    return problems
+
+
+def validate_target(spec: str, paths: list[Path]) -> object:
+    """``rlaudit run --target``: load the adapter (``module:Attr`` or a peer's name), check its
+    stages' signatures and every named scenario's inputs; return the adapter or raise every
+    problem together."""
+    from rlaudit.targets.adapter import load_adapter
+    adapter = load_adapter(spec)
+    problems = Problems()
+    for p in adapter_problems(adapter, spec):
+        problems.take(p)
+    try:
+        validate_invocation(paths)
+    except InputErrors as e:
+        for p in e.problems:
+            problems.take(p)
+    except InputError as e:
+        problems.take(e)
+    raise_problems(problems.items, header=HEADER)
+    return adapter

@@ -237,3 +237,38 @@ def test_several_bad_scenarios_are_reported_together_and_nothing_runs(cli, tmp_p
     assert_named(res.err, bad_layout, "backends.megatron.pp")
     assert_named(res.err, bad_key, "steps")
     assert "running" not in res.err and not (tmp_path / "reports").exists()
+
+
+def test_a_target_whose_stage_cannot_take_the_contracts_arguments_exits_2(cli, tmp_path,
+                                                                         monkeypatch):
+    """Adapter signatures are checked before any stage check runs (`rlaudit run --target`)."""
+    (tmp_path / "my_adapter_rel.py").write_text(
+        "class Adapter:\n"
+        "    name = 'mine'\n"
+        "    def kl_penalty(self, *, log_prob, ref_log_prob, kind):\n"
+        "        return log_prob - ref_log_prob\n"
+        "    def compute_advantages(self, *, estimator, token_level_rewards, response_mask):\n"
+        "        raise AssertionError('never called')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bad_scn = write_scenario(tmp_path / "scn" / "bad.yaml", steps=0)
+    res = cli("run", "--target", "my_adapter_rel:Adapter", "bad", "--scenarios-dir",
+              tmp_path / "scn", "--no-mlflow", "--report-dir", tmp_path / "reports")
+    assert res.rc == 2, res.err
+    assert "2 input problems; nothing was run" in res.err
+    assert_named(res.err, "my_adapter_rel:Adapter", "compute_advantages")
+    assert "unexpected keyword argument 'uid'" in res.err
+    assert_named(res.err, bad_scn, "steps")
+    assert "kl_penalty" not in res.err  # a stage that fits the contract is not named
+    assert not (tmp_path / "reports").exists()
+
+
+def test_the_stage_contract_is_read_for_every_stage():
+    """The signatures checked are those the adapter module documents, one per stage (a change to
+    that docstring's layout must not silently switch the check off)."""
+    from rlaudit.scenarios.validate import stage_contract
+    from rlaudit.targets.adapter import STAGES
+    contract = stage_contract()
+    assert set(contract) == set(STAGES)
+    assert contract["make_microbatches"] == (["batch"], ["dp_size"])
+    assert "norm_adv_by_std_in_grpo" in contract["compute_advantages"][1]
+    assert all(pos or kw for pos, kw in contract.values())
