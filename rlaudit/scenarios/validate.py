@@ -106,21 +106,18 @@ def check_scenario_inputs(scn, problems: Problems, *, golden_dir: str | Path | N
 
     cache = {} if cache is None else cache
     src = str(scn.path)
-    model_cfg = None
     for key, model in (("model", scn.model), ("ref_model", scn.ref_model)):
         if model is None:
             continue
         cfg = _cached(cache, ("model", str(model)), problems, _check_model, model,
                       wrap=(src, key))
-        model_cfg = model_cfg or cfg
         if cfg is not None:
             check_layouts(scn, cfg, problems, key=key)
     batch = _cached(cache, ("rollout", str(scn.rollout)), problems, load_rollout, scn.rollout)
     if batch is not None and len(batch):
         if not batch.num_tokens():
-            problems.add(f"response_mask is False everywhere in {scn.rollout}: no token to "
-                         "train on, so every check would pass vacuously",
-                         source=str(scn.rollout), key="response_mask")
+            problems.add("False everywhere: no token to train on, so every check would pass "
+                         "vacuously", source=str(scn.rollout), key="response_mask")
         else:
             filtered = problems.attempt(lambda: select_groups(batch, scn.config)[0])
             if filtered is not None:

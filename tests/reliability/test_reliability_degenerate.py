@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reltools import ROLLOUT, assert_named, base_tensors, scenario_dict, write_rollout, write_scenario
+from reltools import (ROLLOUT, assert_named, base_tensors, scenario_dict, write_rollout,
+                      write_scenario)
 
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.data.io import load_rollout, save_rollout

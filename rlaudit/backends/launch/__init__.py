@@ -16,11 +16,12 @@ The FSDP and Megatron backends (and multi-rank tests) run their ranks through :f
     launch(check_allreduce, 2, args=(1.0,), device="cuda")   # nccl, cuda:<local_rank>
 
 What a rank gets: the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = ``host``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``),
-``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with NCCL) naming the interface of ``host``,
-plus ``env``, all set before torch is imported in the rank; ``OMP_NUM_THREADS`` and
-``torch.set_num_threads`` = ``threads_per_rank``; an initialised default process group; on CUDA
-its device set to ``local_rank``; stdout/stderr (file descriptors, so C++ output too) in a log file.
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = ``host``, ``MASTER_PORT``,
+``TORCHELASTIC_USE_AGENT_STORE``), ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with NCCL)
+naming the interface of ``host``, plus ``env``, all set before torch is imported in the rank;
+``OMP_NUM_THREADS`` and ``torch.set_num_threads`` = ``threads_per_rank``; an initialised default
+process group; on CUDA its device set to ``local_rank``; stdout/stderr (file descriptors, so C++
+output too) in a log file.
 
 **Spawning is expensive** (each rank imports torch: 3-5 s for two ranks on a small CPU box): give
 ``fn`` many checks to run in one group and return all their results, rather than launching once
