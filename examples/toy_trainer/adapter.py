@@ -181,8 +181,7 @@ class ToyAdapter(TargetAdapter):
         return {"tokens": int(m.sum()), "seqs": int(m.any(-1).sum()), "norm_len": m.shape[-1]}
 
     # ---- whole training step -------------------------------------------------------------------
-    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
-                   device="cpu"):
+    def _trainer(self, model_path, ref_model_path, batch, config, device):
         dtype = config.trainer.dtype
         model = load_model(model_path, dtype).to(device)
         ref = None
@@ -191,6 +190,11 @@ class ToyAdapter(TargetAdapter):
         trainer = self.trainer_class(model, toy_config(config, len(batch)), ref)
         data = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                 for k, v in to_toy(batch).items()}
+        return model, trainer, data
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        model, trainer, data = self._trainer(model_path, ref_model_path, batch, config, device)
         out = TrainStepOutput(metrics=[])
         for step in range(steps):
             seen = len(trainer.micro_batches_seen)
@@ -206,3 +210,13 @@ class ToyAdapter(TargetAdapter):
             out.microbatches.append([[[from_toy(mb) for mb in micros]
                                       for micros in trainer.micro_batches_seen[seen:]]])
         return out
+
+    def probe_model(self, *, model_path, ref_model_path=None, batch, config, step=0,
+                    device="cpu"):
+        """The actor as ToyTrainer holds it at the start of training step ``step`` (after
+        ``step`` steps on ``batch``): rlaudit hooks its modules to say where a parity failure
+        starts (docs/targets.md, "Where a parity failure starts: probe_model")."""
+        model, trainer, data = self._trainer(model_path, ref_model_path, batch, config, device)
+        for _ in range(step):
+            trainer.step(data)
+        return model

@@ -38,7 +38,8 @@ from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
 GRPO_EPS = 1e-6
-"""verl's epsilon in (score - mean) / (std + eps): a zero-variance group gets advantage 0."""
+"""verl's epsilon in (score - mean) / (std + eps): a zero-variance group gets advantage 0
+(``grpo_std_eps`` sets another: TRL's is 1e-4)."""
 
 WHITEN_EPS = 1e-8
 """verl's masked_whiten: (x - mean) * rsqrt(var + eps); keeps an all-equal batch finite."""
@@ -95,7 +96,7 @@ def _estimator(name: str, *, needs_values: bool = False):
         def wrapper(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                     uid: torch.Tensor, values: torch.Tensor | None = None, gamma: float = 1.0,
                     lam: float = 1.0, norm_adv_by_std_in_grpo: bool = True,
-                    outcome_score: str = "masked-sum"):
+                    outcome_score: str = "masked-sum", grpo_std_eps: float = GRPO_EPS):
             r, m, u, v = _check_inputs(token_level_rewards, response_mask, uid, values,
                                        need_values=needs_values)
             if outcome_score not in OUTCOME_SCORES:
@@ -103,7 +104,7 @@ def _estimator(name: str, *, needs_values: bool = False):
                                  f"{outcome_score!r}", key="outcome_score")
             with torch.no_grad():
                 return fn(r, m, u, v, float(gamma), float(lam), bool(norm_adv_by_std_in_grpo),
-                          outcome_score)
+                          outcome_score, float(grpo_std_eps))
 
         ADV_ESTIMATORS.register(name)(wrapper)
         return wrapper
@@ -115,16 +116,18 @@ def compute_advantages(name: str, *, token_level_rewards: torch.Tensor,
                        response_mask: torch.Tensor, uid: torch.Tensor,
                        values: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
                        norm_adv_by_std_in_grpo: bool = True,
-                       outcome_score: str = "masked-sum") -> tuple[torch.Tensor, torch.Tensor]:
+                       outcome_score: str = "masked-sum", grpo_std_eps: float = GRPO_EPS
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run estimator ``name`` (see :data:`ADV_ESTIMATORS`); returns ``(advantages, returns)``,
     both ``[B, R]``, 0 where ``response_mask`` is 0. ``values`` is needed by ``gae`` only;
     ``gamma``/``lam`` are read by gae (both) and reinforce_plus_plus (gamma);
-    ``norm_adv_by_std_in_grpo`` by grpo only; ``outcome_score`` (:data:`OUTCOME_SCORES`) by the
-    outcome estimators. Unknown ``name`` raises ``UnknownNameError``."""
+    ``norm_adv_by_std_in_grpo`` and ``grpo_std_eps`` by grpo only; ``outcome_score``
+    (:data:`OUTCOME_SCORES`) by the outcome estimators. Unknown ``name`` raises
+    ``UnknownNameError``."""
     fn = ADV_ESTIMATORS.get(name, key="algorithm.adv_estimator")
     return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, uid=uid,
               values=values, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-              outcome_score=outcome_score)
+              outcome_score=outcome_score, grpo_std_eps=grpo_std_eps)
 
 
 # ---- building blocks -------------------------------------------------------------------------
@@ -193,7 +196,7 @@ def _discounted_scan(step, carry0, mask: torch.Tensor) -> torch.Tensor:
 
 # ---- estimators ------------------------------------------------------------------------------
 @_estimator("gae", needs_values=True)
-def gae(rewards, mask, uid, values, gamma, lam, norm, score):
+def gae(rewards, mask, uid, values, gamma, lam, norm, score, eps):
     """Generalised advantage estimation over mask-1 tokens (PPO with a critic).
 
     For the mask-1 tokens t_1 < ... < t_n of a row (mask-0 tokens skipped entirely):
@@ -215,35 +218,35 @@ def gae(rewards, mask, uid, values, gamma, lam, norm, score):
 
 
 @_estimator("grpo")
-def grpo(rewards, mask, uid, values, gamma, lam, norm, score):
+def grpo(rewards, mask, uid, values, gamma, lam, norm, score, eps):
     """GRPO: ``(score - group mean) / (group std + GRPO_EPS)`` (std Bessel-corrected as
     ``torch.std``); without the division when ``norm_adv_by_std_in_grpo`` is False. A singleton
     group uses mean 0 and std 1 (verl's convention), so its advantage is its own score
     (divided by 1 + GRPO_EPS when normalising). Returns ``(adv, adv)``."""
-    adv = _broadcast(_grpo_scores(rewards, mask, uid, norm, score), mask)
+    adv = _broadcast(_grpo_scores(rewards, mask, uid, norm, score, eps), mask)
     return adv, adv.clone()
 
 
 @_estimator("drgrpo")
-def drgrpo(rewards, mask, uid, values, gamma, lam, norm, score):
+def drgrpo(rewards, mask, uid, values, gamma, lam, norm, score, eps):
     """Dr.GRPO: GRPO's mean-centering without the std division, ``score - group mean``
     (``norm_adv_by_std_in_grpo`` is ignored; singleton: mean 0, advantage = score)."""
-    adv = _broadcast(_grpo_scores(rewards, mask, uid, False, score), mask)
+    adv = _broadcast(_grpo_scores(rewards, mask, uid, False, score, eps), mask)
     return adv, adv.clone()
 
 
-def _grpo_scores(rewards, mask, uid, norm: bool, score: str) -> torch.Tensor:
+def _grpo_scores(rewards, mask, uid, norm: bool, score: str, eps: float) -> torch.Tensor:
     """[B]: the GRPO advantage of each row (see :func:`grpo`)."""
     scores = _row_scores(rewards, mask, score)
     n, mean, std = group_stats(uid, scores)
     single = n == 1
     mean = torch.where(single, 0.0, mean)
     std = torch.where(single, 1.0, std)
-    return (scores - mean) / (std + GRPO_EPS) if norm else scores - mean
+    return (scores - mean) / (std + eps) if norm else scores - mean
 
 
 @_estimator("rloo")
-def rloo(rewards, mask, uid, values, gamma, lam, norm, score):
+def rloo(rewards, mask, uid, values, gamma, lam, norm, score, eps):
     """RLOO: ``score - mean of the other rows' scores`` of the group, computed as
     ``n/(n-1) * (score - group mean)``. A singleton group has no other rows: advantage = score
     (verl's convention: baseline 0). Returns ``(adv, adv)``."""
@@ -255,7 +258,7 @@ def rloo(rewards, mask, uid, values, gamma, lam, norm, score):
 
 
 @_estimator("reinforce_plus_plus")
-def reinforce_plus_plus(rewards, mask, uid, values, gamma, lam, norm, score):
+def reinforce_plus_plus(rewards, mask, uid, values, gamma, lam, norm, score, eps):
     """REINFORCE++: discounted return-to-go over mask-1 tokens,
     ``G_k = r_{t_k} + gamma * G_{k+1}`` (mask-0 tokens skipped, see the module docstring);
     advantages = :func:`masked_whiten` of G over the batch; returns = G. Ignores ``uid``."""
@@ -270,7 +273,7 @@ def reinforce_plus_plus(rewards, mask, uid, values, gamma, lam, norm, score):
 
 
 @_estimator("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(rewards, mask, uid, values, gamma, lam, norm, score):
+def reinforce_plus_plus_baseline(rewards, mask, uid, values, gamma, lam, norm, score, eps):
     """REINFORCE++ with a group baseline: ``score - group mean`` (singleton: mean 0), broadcast
     to the row's mask-1 tokens, then :func:`masked_whiten` over all mask-1 tokens of the batch
     (so longer responses weigh more in mean and variance, as in verl). Returns ``(adv, adv)``."""

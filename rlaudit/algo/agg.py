@@ -14,8 +14,9 @@ seq-mean-token-mean      sum_i (sum_t l*m / n_i) / N_seq              n_i, then 
 seq-mean-token-sum-norm  sum_i (sum_t l*m) / (N_seq * L)              N_seq * L
 ======================== ============================================ ===================
 
-``N_tok``: mask-True tokens; ``N_seq``: rows with at least one mask-True token; ``n_i``: row
-i's mask-True tokens (always local: a row is never split); ``L``: a constant length
+``N_tok``: mask-True tokens; ``N_seq``: rows with at least one mask-True token (or, with
+``seq_count="all-rows"``, every row: SkyRL's, slime's and TRL's convention); ``n_i``: row i's
+mask-True tokens (always local: a row is never split); ``L``: a constant length
 (``actor.loss_scale_factor`` or the batch's response width R).
 
 Masked positions never matter: they are selected away with ``torch.where`` (not multiplied by
@@ -38,6 +39,10 @@ __all__ = ["AGG_MODES", "Denominators", "agg_loss", "masked_sum", "masked_mean",
            "masked_min"]
 
 
+#: what N_seq counts: rows with at least one valid token (rlaudit, verl), or every row
+SEQ_COUNTS = ("valid-rows", "all-rows")
+
+
 @dataclass(frozen=True)
 class Denominators:
     """The counts ``agg_loss`` divides by; sum them over micro-batches/ranks for global ones.
@@ -53,19 +58,25 @@ class Denominators:
     norm_len: float
 
     @classmethod
-    def of(cls, mask: torch.Tensor, norm_len: float | None = None) -> "Denominators":
+    def of(cls, mask: torch.Tensor, norm_len: float | None = None, *,
+           seq_count: str = "valid-rows") -> "Denominators":
         """Local counts of ``mask`` (``[B, R]``, bool or 0/1; True/1 = the token counts).
 
         ``norm_len`` defaults to ``mask.shape[-1]`` (R). For global denominators pass the
         whole batch's width (or ``loss_scale_factor``), never a micro-batch's padded width.
+        ``seq_count`` (:data:`SEQ_COUNTS`): ``N_seq`` counts rows with a valid token, or every
+        row.
         """
         m = bool_mask(mask)
         if norm_len is None:
             norm_len = m.shape[-1]
         if not norm_len > 0:
             raise InputError(f"must be > 0, got {norm_len!r}", key="norm_len")
-        return cls(tokens=float(m.sum()), seqs=float(m.any(dim=-1).sum()),
-                   norm_len=float(norm_len))
+        if seq_count not in SEQ_COUNTS:
+            raise InputError(f"expected one of {list(SEQ_COUNTS)}, got {seq_count!r}",
+                             key="seq_count")
+        seqs = m.any(dim=-1).sum() if seq_count == "valid-rows" else m.shape[0]
+        return cls(tokens=float(m.sum()), seqs=float(seqs), norm_len=float(norm_len))
 
     def __add__(self, other: "Denominators") -> "Denominators":
         """Counts of the union of two disjoint sets of rows (they must share ``norm_len``)."""

@@ -30,6 +30,10 @@ class Variant:
     config: Config
     batch: RolloutBatch
     steps: int = 1
+    probe: Any = None
+    """A :class:`rlaudit.backends.probe.ProbeSpec` only in the drift localisation's re-run of a
+    failing variant (the run then stops after the probed step and carries ``info["probe"]``);
+    None in every ordinary replay."""
 
 
 @dataclass
@@ -45,6 +49,14 @@ class ReplayRequest:
     """Relative std of a fixed multiplicative noise applied to every weight after loading
     (reference backend only): how the noise floor of a target's precision is measured (see
     rlaudit/targets/declare.py). 0: the snapshot's exact weights."""
+    faults: str = field(default_factory=lambda: _faults_from_env())
+    """Test-only fault injectors (rlaudit/backends/faults.py): a copy of ``$RLAUDIT_FAULT`` taken
+    when the request is made, so it reaches ranks spawned earlier; empty in every real run."""
+
+
+def _faults_from_env() -> str:
+    from rlaudit.backends.faults import from_env
+    return from_env()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, VariantRun
 from rlaudit.backends.launch import launch
 from rlaudit.backends.reference import torch_roles
@@ -58,10 +59,12 @@ def _rank_main(info, request: ReplayRequest) -> dict[str, VariantRun]:
     out = {}
     for variant in request.variants:
         torch.manual_seed(variant.config.trainer.seed)
-        out[variant.name] = replay_variant(
-            lambda v: torch_roles(request.model, v, dtype=param_dtype, device=str(info.device),
-                                  wrap=wrap, distributed=True, ref_model_path=request.ref_model),
-            variant)
+        make_roles = (lambda v: torch_roles(request.model, v, dtype=param_dtype,
+                                            device=str(info.device), wrap=wrap, distributed=True,
+                                            ref_model_path=request.ref_model))
+        if request.faults:  # test-only (rlaudit/backends/faults.py)
+            variant, make_roles = faults.inject(request.faults, "fsdp", variant, make_roles)
+        out[variant.name] = replay_variant(make_roles, variant)
     return out
 
 

@@ -48,6 +48,11 @@ def replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
     before = _fingerprint(batch)
     roles = make_roles(variant)
     run = VariantRun(name=variant.name)
+    recorder = None
+    if getattr(variant, "probe", None) is not None:  # the drift localisation's re-run only
+        from rlaudit.backends.probe import ProbeRecorder
+        recorder = ProbeRecorder(variant.probe)
+        roles, batch = recorder.attach(roles, batch)
     if record_params:
         run.params_initial = _flat(roles.actor.full_parameters())
     logp, ent = compute_log_probs(roles.actor, batch, cfg, calc_entropy=True)
@@ -55,8 +60,12 @@ def replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
     run.tokens["probe_log_probs"] = logp
     run.tokens["probe_entropy"] = ent
     logged = 0
-    for step in range(variant.steps):
+    for step in range(variant.steps if recorder is None else recorder.steps(variant.steps)):
+        if recorder is not None:
+            recorder.before_step(step, batch, cfg)
         result = train_step(roles, batch, cfg)
+        if recorder is not None:
+            recorder.after_step(step, result)
         run.steps.append({**result.metrics, **result.timing})
         if step == 0:
             for name in RECORDED_FIELDS:
@@ -71,5 +80,9 @@ def replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
             run.params.append(_flat(params))
         run.micro_log.append([roles.actor.micro_log[logged:]])
         logged = len(roles.actor.micro_log)
-    run.inputs_unchanged = _unchanged(batch, before)
+    run.inputs_unchanged = _unchanged(variant.batch, before)
+    if recorder is not None:
+        record = recorder.record(run)
+        if record is not None:
+            run.info["probe"] = record
     return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlaudit.report.localise_view import console_lines
 from rlaudit.scenarios.result import PASSED, STATES, STATUS_ORDER, ScenarioResult
 
 SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR", "differs": "differs"}
@@ -45,11 +46,14 @@ def render_result(res: ScenarioResult) -> str:
            line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     problems = [c for c in res.checks if c.status in ("fail", "error")]
+    printed: set = set()  # localisation entries already shown under a check
     for c in problems:
         out.append(f"  {SYMBOL[c.status]} {c.invariant} [{c.backend}]: {c.message}")
+        out += console_lines(res, c.invariant, c.backend, printed)
     for g in res.golden:
         if g.status in ("fail", "stale", "blessed", "refused", "no golden"):
             out.append(f"  golden {GOLDEN_SYMBOL[g.status]} [{g.backend}]: {g.message}")
+            out += console_lines(res, "golden", g.backend, printed)
     for c in res.checks:
         if c.status == "differs":
             out.append(f"  differs {c.invariant} [{c.backend}] (declared): {c.message}")

@@ -13,7 +13,9 @@ Child run (tag ``rlaudit.kind=scenario``, ``mlflow.parentRunId``):
 - tags: ``invariant.<name>`` = pass | fail | n/a | error (worst check for this backend),
   ``invariant.<name>.message`` for failures, ``golden`` = the golden status, ``error`` (crash);
 - artifact ``token_diffs.parquet`` (non-reference backends): per-token tensors minus the
-  reference backend's, long format: variant, tensor, row, token, value, reference, diff.
+  reference backend's, long format: variant, tensor, row, token, value, reference, diff;
+- artifacts ``localisation.json`` and ``drift_vs_depth.png`` on a backend whose parity or golden
+  check failed: where it first diverged (rlaudit/scenarios/localise.py).
 
 Where it logs: ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the embedded store
 ``sqlite:///<report_dir>/mlflow.db`` with artifacts under ``<report_dir>/mlartifacts``.
@@ -27,6 +29,7 @@ created under a file lock (rlaudit.report.mlflow_guard).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import json
 import logging
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
+from rlaudit.report import localise_view
 from rlaudit.scenarios.result import STATUS_ORDER, ScenarioResult
 
 EMBEDDED_DB = "mlflow.db"
@@ -343,6 +347,16 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
             cid = child.info.run_id
             _log_batch(client, cid, metrics=child_metrics(res, b),
                        params=child_params(res, b, git))
+            loc = localise_view.artifact_json(res, b)
+            if loc is not None:  # only a failing backend has one
+                d = Path(tmp) / f"{cid}-localisation"
+                d.mkdir()
+                (d / "localisation.json").write_text(loc)
+                png = localise_view.drift_plot(dataclasses.replace(
+                    res, localisation=[e for e in res.localisation if e.get("backend") == b]))
+                if png is not None:
+                    (d / "drift_vs_depth.png").write_bytes(png)
+                client.log_artifacts(cid, str(d))
             ref = reference_backend(res)
             if ref is not None and b != ref and b in res.runs:
                 df, truncated = token_diffs(res, b, ref)

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from rlaudit.metrics import golden_names
+from rlaudit.report import localise_view as LV
 from rlaudit.report import render as R
 from rlaudit.scenarios.result import STATUS_ORDER as RESULT_STATUS_ORDER
 from rlaudit.scenarios.result import (FAILED, NO_GOLDEN_STATE, PASSED, STATES, ScenarioResult)
@@ -161,7 +162,8 @@ GOLDEN_HEADER = ["backend", "step", "metric", "value", "golden", "rel. drift", "
                  "status"]
 
 
-def _html_scenario(res: ScenarioResult, png: bytes | None) -> str:
+def _html_scenario(res: ScenarioResult, png: bytes | None, drift_png: bytes | None = None
+                   ) -> str:
     verdict = R.badge(res.state.upper(), STATE_CLASS[res.state])
     out = [f'<section class="card" id="{R.esc(R.safe_filename(res.scenario))}">'
            f"<h2>{R.esc(res.scenario)}{verdict}</h2>",
@@ -179,6 +181,7 @@ def _html_scenario(res: ScenarioResult, png: bytes | None) -> str:
     if fails:
         out.append("<h3>Failures</h3><ul class=\"fail\">" +
                    "".join(f"<li><code>{R.esc(f)}</code></li>" for f in fails) + "</ul>")
+    out.append(LV.html_section(res, drift_png))
     diffs = declared(res)
     if diffs:
         out.append("<h3>Declared differences</h3><ul>" +
@@ -202,7 +205,8 @@ def _html_scenario(res: ScenarioResult, png: bytes | None) -> str:
     return "\n".join(out)
 
 
-def render_html(results: list[ScenarioResult], pngs: dict[str, bytes]) -> str:
+def render_html(results: list[ScenarioResult], pngs: dict[str, bytes],
+                drift_pngs: dict[str, bytes] | None = None) -> str:
     now = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     worst = next((s for s in STATES if any(r.state == s for r in results)), FAILED)
     verdict = R.badge(worst.upper(), STATE_CLASS[worst])
@@ -213,11 +217,13 @@ def render_html(results: list[ScenarioResult], pngs: dict[str, bytes]) -> str:
                           ", ".join(r.backends), len(failures(r)),
                           R.num_cell(round(r.seconds, 1))] for r in results]))
     head.append("</section>")
-    body = head + [_html_scenario(r, pngs.get(r.scenario)) for r in results]
+    body = head + [_html_scenario(r, pngs.get(r.scenario), (drift_pngs or {}).get(r.scenario))
+                   for r in results]
     return R.page("rlaudit run report", f"{len(results)} scenario(s) · generated {now}", body)
 
 
-def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str]) -> str:
+def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str],
+                    drift_paths: dict[str, str] | None = None) -> str:
     passed = sum(r.passed for r in results)
     out = ["# rlaudit run report", "",
            f"**{passed}/{len(results)} scenarios passed** "
@@ -238,6 +244,7 @@ def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str]) -
         fails = failures(res)
         if fails:
             out += ["", "### Failures", ""] + [f"- `{R.md_escape(f)}`" for f in fails]
+        out += LV.markdown_lines(res, (drift_paths or {}).get(res.scenario))
         diffs = declared(res)
         if diffs:
             out += ["", "### Declared differences", ""] + [f"- `{R.md_escape(d)}`" for d in diffs]
@@ -262,9 +269,13 @@ def build_run_report(results: list[ScenarioResult], out_dir: Path) -> list[Path]
     out_dir = Path(out_dir)
     pngs = {r.scenario: png for r in results if (png := plot_metrics(r)) is not None}
     plot_files = {s: f"plots/{R.safe_filename(s)}.png" for s in pngs}
-    written = [R.write_atomic(out_dir / "report.html", render_html(results, pngs)),
-               R.write_atomic(out_dir / "report.md", render_markdown(results, plot_files))]
+    drift = {r.scenario: png for r in results if (png := LV.drift_plot(r)) is not None}
+    drift_files = {s: f"plots/{R.safe_filename(s)}-drift-vs-depth.png" for s in drift}
+    written = [R.write_atomic(out_dir / "report.html", render_html(results, pngs, drift)),
+               R.write_atomic(out_dir / "report.md",
+                              render_markdown(results, plot_files, drift_files))]
     written += [R.write_atomic(out_dir / plot_files[s], png) for s, png in pngs.items()]
+    written += [R.write_atomic(out_dir / drift_files[s], png) for s, png in drift.items()]
     plots_dir = out_dir / "plots"
     if plots_dir.is_dir():
         for stale in set(plots_dir.glob("*.png")) - set(written):

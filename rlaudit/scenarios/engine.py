@@ -20,7 +20,7 @@ from rlaudit.update.step import select_groups
 from rlaudit.scenarios import golden as golden_mod
 from rlaudit.scenarios.invariants import INVARIANTS
 from rlaudit.scenarios.invariants.base import CheckContext, base_variant
-from rlaudit.scenarios.result import ERROR, NA, CheckResult, ScenarioResult
+from rlaudit.scenarios.result import ERROR, FAILED, NA, CheckResult, ScenarioResult
 from rlaudit.scenarios.spec import Scenario
 from rlaudit.scenarios.validate import replayable_variants
 
@@ -115,6 +115,9 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
         refuse = golden_mod.bless_blocker(res) if bless and not force else None
         res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless,
                                                  refuse=refuse)
+    if res.state == FAILED:  # only a failure is localised: nothing extra runs otherwise
+        from rlaudit.scenarios.localise import localise_scenario
+        res.localisation = localise_scenario(scn, ctx, res, timeout=timeout)
     res.seconds = time.perf_counter() - t0
     return res
 

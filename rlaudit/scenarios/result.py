@@ -81,6 +81,9 @@ class ScenarioResult:
     "bad input" whatever else it holds."""
     runs: dict[str, Any] = field(default_factory=dict, repr=False)
     """backend -> variant -> VariantRun (in-memory only: per-token tensors for diff artifacts)."""
+    localisation: list[dict[str, Any]] = field(default_factory=list)
+    """Where each failing parity/golden check first diverged (rlaudit/scenarios/localise.py);
+    empty, and absent from the JSON, when nothing failed."""
 
     @property
     def state(self) -> str:
@@ -105,6 +108,9 @@ class ScenarioResult:
     def to_json(self) -> dict[str, Any]:
         runs, self.runs = self.runs, {}
         try:
-            return asdict(self) | {"passed": self.passed, "state": self.state}
+            out = asdict(self) | {"passed": self.passed, "state": self.state}
+            if not out["localisation"]:  # a passing scenario's JSON is unchanged
+                del out["localisation"]
+            return out
         finally:
             self.runs = runs

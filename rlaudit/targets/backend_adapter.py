@@ -230,6 +230,7 @@ NEEDS: dict[str, Needs] = {
                            metrics=("actor/loss", "actor/pg_loss")),
     "grad-norm-identity": Needs(params=True, metrics=("actor/grad_norm",)),
     "rollout-parity": Needs(tokens=("probe_log_probs",)),
+    "reward-shaping": Needs(tokens=("token_level_scores",)),
     "batch-invariance": Needs(tokens=("probe_log_probs",)),
     "padding-microbatches-complete": Needs(microbatches=True),
     "distributed-health": Needs(microbatches=True),

@@ -215,6 +215,8 @@ def _grad_of(out: torch.Tensor, leaf: torch.Tensor, mask: torch.Tensor | None = 
 # ---- advantages ------------------------------------------------------------------------------
 
 #: estimator -> keyword settings exercised (gamma/lam below 1 so discounting shows)
+#: conventions compute_advantages takes (rlaudit.targets.declare.CONVENTIONS)
+ADV_CONVENTIONS = ("outcome_score", "grpo_std_eps")
 #: estimators that score whole rows (the outcome_score convention applies to them)
 OUTCOME_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
 
@@ -269,7 +271,8 @@ def advantages_parity(env: StageEnv) -> CheckResult:
                 adv, ret = _adapter_adv(env, case, est, setting)
                 kw = _adv_kwargs(case, est, setting)
                 kw.pop("estimator")
-                want_adv, want_ret = ref_adv.compute_advantages(est, **kw, **conv)
+                want_adv, want_ret = ref_adv.compute_advantages(
+                    est, **kw, **{k: v for k, v in conv.items() if k in ADV_CONVENTIONS})
                 t.compare(f"{label} advantages on {case.name}", adv, want_adv, case.mask)
                 t.compare(f"{label} returns on {case.name}", ret, want_ret, case.mask)
             attempt(t, label, one, skip_as=est)
@@ -404,6 +407,16 @@ def _agg(env: StageEnv, loss_mat, mask, mode, denominators=None, label=""):
     return out, given["loss_mat"]
 
 
+def _own_counts(env: StageEnv, check: str, mask: torch.Tensor, norm_len=None
+                ) -> Denominators | None:
+    """The counts a batch's own aggregation divides by, under the declared ``seq_count``
+    convention (None: the reference's default, rows with a valid token)."""
+    seq_count = env.conventions(check).get("seq_count", "valid-rows")
+    if seq_count == "valid-rows" and norm_len is None:
+        return None
+    return Denominators.of(mask, norm_len=norm_len, seq_count=seq_count)
+
+
 def _loss_input(case: Case) -> torch.Tensor:
     return (case["log_probs"] - case["old_log_probs"]) * case["advantages"]
 
@@ -420,7 +433,7 @@ def agg_parity(env: StageEnv) -> CheckResult:
                 lm = _loss_input(case).requires_grad_(True)
                 out, leaf = _agg(env, lm, case.mask, mode, label=f"{mode} on {case.name}")
                 ref_leaf = lm.detach().clone().requires_grad_(True)
-                want = agg_loss(ref_leaf, case.mask, mode)
+                want = agg_loss(ref_leaf, case.mask, mode, _own_counts(env, t.check, case.mask))
                 t.compare(f"{mode} on {case.name}", out, want.detach())
                 t.compare(f"{mode} gradient on {case.name}", _grad_of(out, leaf),
                           _grad_of(want, ref_leaf), case.mask)
@@ -448,7 +461,7 @@ def agg_global_split(env: StageEnv) -> CheckResult:
         for case in env.cases:
             def one(mode=mode, case=case):
                 lm = _loss_input(case)
-                denom = Denominators.of(case.mask, norm_len=case.shape[1])
+                denom = _own_counts(env, t.check, case.mask, norm_len=case.shape[1])
                 leaf = lm.clone().requires_grad_(True)
                 whole, whole_leaf = _agg(env, leaf, case.mask, mode, label=f"{mode} whole batch")
                 whole_grad = _grad_of(whole, whole_leaf)

@@ -66,10 +66,41 @@ DEFAULT_PRECISION = "float64"
 DEFAULT_TRAIN_PRECISION = "hf-float64"
 METRIC_REDUCTIONS = ("contribution", "microbatch-mean")
 
-#: conventions rlaudit's reference can compute: key -> allowed values (the first is rlaudit's)
-CONVENTIONS: dict[str, tuple[str, ...]] = {
-    # how outcome estimators score a row (rlaudit.algo.advantages.OUTCOME_SCORES)
-    "outcome_score": ("masked-sum", "unmasked-sum"),
+@dataclass(frozen=True)
+class Convention:
+    """A semantic choice rlaudit's reference can compute either way: ``config`` is the dotted
+    config key the reference reads it from (run level), ``values`` the allowed values (a tuple,
+    or a type: ``float``); stage checks pass it to the reference function as ``kwarg``."""
+
+    config: str
+    values: tuple | type
+    doc: str
+
+    def check(self, value, source: str, key: str):
+        if isinstance(self.values, tuple):
+            return _names(value, self.values, key, source)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InputError(f"expected a number > 0, got {value!r}", source=source, key=key)
+        return float(value)
+
+
+#: conventions rlaudit's reference can compute (the first value of each is rlaudit's own)
+CONVENTIONS: dict[str, Convention] = {
+    "outcome_score": Convention(
+        "algorithm.outcome_score", ("masked-sum", "unmasked-sum"),
+        "outcome estimators score a row by the sum of its valid token rewards, or of every "
+        "position's (verl)"),
+    "grpo_std_eps": Convention(
+        "algorithm.grpo_std_eps", float,
+        "GRPO divides by (group std + eps): 1e-6 (verl, rlaudit), 1e-4 (TRL)"),
+    "seq_count": Convention(
+        "actor.loss_seq_count", ("valid-rows", "all-rows"),
+        "N_seq of the seq-mean aggregations counts rows with a valid token, or every row "
+        "(SkyRL, slime, TRL)"),
+    "token_denominator": Convention(
+        "actor.loss_token_denominator", ("minibatch", "batch-mean"),
+        "N_tok of token-mean is the mini-batch's valid tokens, or the training batch's divided "
+        "by the number of mini-batches (TRL's dapo); run level only"),
 }
 
 
@@ -122,7 +153,30 @@ class Declarations:
     stage_precision: dict[str, str] = field(default_factory=dict)
     tolerances: dict[str, Tolerance] = field(default_factory=dict)
     metric_reduction: str = "contribution"
+    """The reduction of every metric not in :attr:`metric_reduction_except`."""
+    metric_reduction_except: tuple[str, ...] = ()
+    """Metric names reduced the other way (``metric_reduction = {"actor/loss": "contribution",
+    "*": "microbatch-mean"}`` declares "microbatch-mean" except actor/loss)."""
     differences: tuple[Difference, ...] = ()
+
+    def metric_mode(self, name: str) -> str:
+        """"contribution" or "microbatch-mean": how the target reduces metric ``name``."""
+        if name in self.metric_reduction_except:
+            return ({"contribution": "microbatch-mean", "microbatch-mean": "contribution"}
+                    [self.metric_reduction])
+        return self.metric_reduction
+
+    def config_overrides(self) -> dict[str, Any]:
+        """Dotted config keys that make the reference compute as the target declares: every
+        convention of every difference, and the metric reduction (run level)."""
+        out: dict[str, Any] = {}
+        for d in self.differences:
+            for k, v in (d.convention or {}).items():
+                out[CONVENTIONS[k].config] = v
+        if self.metric_reduction != "contribution" or self.metric_reduction_except:
+            out["trainer.metric_reduction"] = self.metric_reduction
+            out["trainer.metric_reduction_except"] = list(self.metric_reduction_except)
+        return out
 
     def stage_tolerance(self, check: str) -> Tolerance:
         """The tolerance of stage check ``check`` (``"policy_loss:parity"``): an override for the
@@ -209,7 +263,7 @@ def _difference(d: Any, source: str, key: str) -> Difference:
                 raise InputError(f"unknown convention {k!r}; the reference can compute: "
                                  f"{', '.join(CONVENTIONS)}", source=source,
                                  key=f"{key}.convention")
-            _names(v, CONVENTIONS[k], f"{key}.convention.{k}", source)
+            CONVENTIONS[k].check(v, source, f"{key}.convention.{k}")
     return d
 
 
@@ -236,8 +290,20 @@ def validate(adapter: object) -> Declarations:
         raise InputError(f"expected a mapping name -> {{rtol, atol}}, got {tols!r}",
                          source=source, key="tolerances")
     out.tolerances = {str(k): _tolerance(v, source, f"tolerances.{k}") for k, v in tols.items()}
-    out.metric_reduction = _names(getattr(adapter, "metric_reduction", None) or "contribution",
-                                  METRIC_REDUCTIONS, "metric_reduction", source)
+    reduction = getattr(adapter, "metric_reduction", None) or "contribution"
+    if isinstance(reduction, Mapping):
+        modes = {str(k): _names(v, METRIC_REDUCTIONS, f"metric_reduction[{k!r}]", source)
+                 for k, v in reduction.items()}
+        from rlaudit.metrics import CATALOGUE
+        unknown = sorted(k for k in modes if k != "*" and k not in CATALOGUE)
+        if unknown:
+            raise InputError(f"unknown metric name(s) {unknown} (rlaudit/metrics.py)",
+                             source=source, key="metric_reduction")
+        out.metric_reduction = modes.get("*", "contribution")
+        out.metric_reduction_except = tuple(sorted(
+            k for k, v in modes.items() if k != "*" and v != out.metric_reduction))
+    else:
+        out.metric_reduction = _names(reduction, METRIC_REDUCTIONS, "metric_reduction", source)
     diffs = getattr(adapter, "differences", None) or ()
     if isinstance(diffs, Difference) or not isinstance(diffs, (tuple, list)):
         raise InputError("expected a tuple of Difference", source=source, key="differences")

@@ -60,8 +60,14 @@ def _floats(metrics: dict) -> dict:
     return {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
 
 
-def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None):
+def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None,
+                   conventions=None):
+    """(loss, metrics, gradient) of the reference; under the declared ``conventions`` (a
+    ``seq_count`` of "all-rows" counts every row in N_seq)."""
     kw = _policy_kwargs(case, loss_mode, agg, clip)
+    if denominators is None and (conventions or {}).get("seq_count", "valid-rows") != "valid-rows":
+        denominators = Denominators.of(case.mask, norm_len=case.shape[1],
+                                       seq_count=conventions["seq_count"])
     loss, metrics = _ORACLE.policy_loss(**kw, denominators=denominators)
     return loss.detach(), metrics, _grad_of(loss, kw["log_prob"])
 
@@ -85,7 +91,8 @@ def policy_parity(env: StageEnv) -> CheckResult:
         for case in env.cases:
             def one():
                 loss, metrics, grad = _adapter_policy(env, case, mode, agg, clip)
-                w_loss, w_metrics, w_grad = _oracle_policy(case, mode, agg, clip)
+                w_loss, w_metrics, w_grad = _oracle_policy(case, mode, agg, clip,
+                                                           conventions=env.conventions(t.check))
                 t.compare(f"{label} loss on {case.name}", loss, w_loss)
                 t.compare(f"{label} gradient on {case.name}", grad, w_grad)
                 for name in POLICY_METRICS:
@@ -107,11 +114,13 @@ def policy_global_split(env: StageEnv) -> CheckResult:
     t = env.tally("policy_loss:global-split")
     if not accepts(env.adapter.policy_loss, "denominators"):
         return CheckResult(t.check, env.name, NA, "policy_loss takes no `denominators` argument")
-    local_metrics = env.decl.metric_reduction == "microbatch-mean"
+    local = {n for n in POLICY_METRICS if env.decl.metric_mode(n) == "microbatch-mean"}
     for label, mode, agg, clip in _policy_runs(env, clips=CLIP_SETTINGS[:1]):
         for case in env.cases:
             def one():
-                denom = Denominators.of(case.mask, norm_len=case.shape[1])
+                denom = Denominators.of(case.mask, norm_len=case.shape[1],
+                                        seq_count=env.conventions(t.check).get(
+                                            "seq_count", "valid-rows"))
                 w_loss, w_metrics, w_grad = _adapter_policy(env, case, mode, agg, clip,
                                                             label=f"{label} whole batch")
                 w_metrics = _floats(w_metrics)      # values as returned (before later calls)
@@ -122,21 +131,21 @@ def policy_global_split(env: StageEnv) -> CheckResult:
                                                        denom, label=f"{label} rows {rows.tolist()}")
                     total += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
                     grad[rows] = g
-                    if local_metrics:   # each micro-batch reports its own local means
-                        _, want, _ = _oracle_policy(part, mode, agg, clip)
-                        for name in POLICY_METRICS:
-                            if name in metrics and bool(part.mask.any()):
+                    if local:   # these metrics: each micro-batch reports its own local means
+                        _, want, _ = _oracle_policy(part, mode, agg, clip,
+                                                    conventions=env.conventions(t.check))
+                        for name in local & set(metrics):
+                            if bool(part.mask.any()):
                                 t.compare(f"{label} on {part.name}: micro-batch {name} (its "
                                           f"local mean)", metrics[name], want[name])
-                        continue
                     for name in POLICY_METRICS:
-                        if name in metrics:
+                        if name in metrics and name not in local:
                             sums[name] = sums.get(name, 0.0) + float(metrics[name])
                 t.compare(f"{label} on {case.name}: sum of micro-batch losses", total,
                           w_loss.detach() if isinstance(w_loss, torch.Tensor) else w_loss)
                 t.compare(f"{label} on {case.name}: micro-batch gradients", grad, w_grad)
                 for name, value in sums.items():
-                    if name in w_metrics:
+                    if name in w_metrics and name not in local:
                         t.compare(f"{label} on {case.name}: sum of micro-batch {name}", value,
                                   w_metrics[name])
             attempt(t, label, one, skip_as=mode)

@@ -26,6 +26,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
 from rlaudit.update.context import ForwardSpec, ParallelContext
 from rlaudit.update.plan import optimizer_steps, plan_micro, rank_shard
+from rlaudit.update.stats import LOCAL
 
 
 def required_actor_fields(cfg: Config) -> list[str]:
@@ -67,20 +68,13 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
 
     Denominators: pg/entropy/KL terms use ``actor.loss_agg_mode`` with the mini-batch's global
     ``denom``; clip fractions and ppo_kl are token-means over the mini-batch's valid tokens.
-    Metrics use ``stat_denom`` instead when given (the micro-batch's own counts, for
-    ``trainer.metric_reduction = "microbatch-mean"``); the loss never does.
+    With ``stat_denom`` (the micro-batch's own counts) every metric is also reported over it,
+    under ``<name>@local`` (rlaudit.update.stats.LOCAL): its local value, for metrics reduced
+    as micro-batch means (``trainer.metric_reduction``). The loss never uses it.
     """
     act = cfg.actor
     mask = micro.mask
-    mode = act.loss_agg_mode
     logp = out["log_probs"]
-    sd = denom if stat_denom is None else stat_denom
-
-    def term(mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss term with ``denom``, its metric with ``sd``)."""
-        value = agg_loss(mat, mask, mode, denom)
-        return value, (value if sd is denom else agg_loss(mat.detach(), mask, mode, sd))
-
     low = act.clip_ratio if act.clip_ratio_low is None else act.clip_ratio_low
     high = act.clip_ratio if act.clip_ratio_high is None else act.clip_ratio_high
     pol = compute_policy_loss(act.loss_mode, old_log_prob=micro["old_log_probs"], log_prob=logp,
@@ -89,42 +83,47 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
     loss_mat = pol.loss_mat
     if act.rollout_correction.rollout_is is not None:
         loss_mat = loss_mat * micro["rollout_is_weights"]
-    pg_loss, pg_stat = term(loss_mat)
-    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=sd)
-    stats = {
-        "actor/pg_loss": pg_stat,
-        "actor/pg_clipfrac": tok(pol.clipped.to(logp.dtype)),
-        "actor/pg_clipfrac_lower": tok(pol.clipped_lower.to(logp.dtype)),
-        "actor/ppo_kl": tok(pol.ppo_kl_mat),
-    }
-    loss = pg_loss
-    stat_loss = pg_stat
+    # (metric name, per-token matrix, coefficient in the loss or None) of every loss term
+    terms = [("actor/pg_loss", loss_mat, 1.0)]
     if cfg.compute_entropy:
-        entropy, stats["actor/entropy"] = term(out["entropy"])
-        if act.entropy_coeff != 0:
-            loss = loss - act.entropy_coeff * entropy
-            stat_loss = stat_loss - act.entropy_coeff * stats["actor/entropy"]
+        terms.append(("actor/entropy", out["entropy"],
+                      -act.entropy_coeff if act.entropy_coeff != 0 else None))
     if act.use_kl_loss:
         ref = torch.where(mask, micro["ref_log_probs"], logp.detach())  # no NaN/inf from padding
-        kl, stats["actor/kl_loss"] = term(kl_penalty(logp, ref, act.kl_loss_type))
-        loss = loss + act.kl_loss_coef * kl
-        stat_loss = stat_loss + act.kl_loss_coef * stats["actor/kl_loss"]
+        terms.append(("actor/kl_loss", kl_penalty(logp, ref, act.kl_loss_type),
+                      act.kl_loss_coef))
     rc = act.rollout_correction
     if rc.use_rollout_kl_loss:
-        rkl, stats["actor/rollout_kl"] = term(rollout_kl_loss_mat(
-            logp, micro["rollout_log_probs"], rc.rollout_kl_loss_type, mask=mask))
-        loss = loss + rc.rollout_kl_loss_coef * rkl
-        stat_loss = stat_loss + rc.rollout_kl_loss_coef * stats["actor/rollout_kl"]
+        terms.append(("actor/rollout_kl", rollout_kl_loss_mat(
+            logp, micro["rollout_log_probs"], rc.rollout_kl_loss_type, mask=mask),
+            rc.rollout_kl_loss_coef))
     if act.distill.enable:
         fn = DISTILL_LOSSES.get(act.distill.loss_type)
         if act.distill.loss_type == "forward_kl_topk":
             mat = fn(out["topk_log_probs"], micro["teacher_topk_log_probs"], mask)
         else:
             mat = fn(logp, micro["teacher_log_probs"], mask)
-        dl, stats["actor/distill_loss"] = term(mat)
-        loss = loss + act.distill.coef * dl
-        stat_loss = stat_loss + act.distill.coef * stats["actor/distill_loss"]
-    stats["actor/loss"] = stat_loss
+        terms.append(("actor/distill_loss", mat, act.distill.coef))
+
+    def reduce(d: Denominators, detach: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics) of every term aggregated over counts ``d``."""
+        stats, loss = {}, None
+        for name, mat, coef in terms:
+            value = agg_loss(mat.detach() if detach else mat, mask, act.loss_agg_mode, d)
+            stats[name] = value
+            if coef is not None:
+                loss = coef * value if loss is None else loss + coef * value
+        tok = partial(agg_loss, mask=mask, mode="token-mean", denom=d)
+        stats["actor/pg_clipfrac"] = tok(pol.clipped.to(logp.dtype))
+        stats["actor/pg_clipfrac_lower"] = tok(pol.clipped_lower.to(logp.dtype))
+        stats["actor/ppo_kl"] = tok(pol.ppo_kl_mat)
+        stats["actor/loss"] = loss
+        return loss, stats
+
+    loss, stats = reduce(denom, detach=False)
+    if stat_denom is not None:
+        _, local = reduce(stat_denom, detach=True)
+        stats.update({f"{k}{LOCAL}": v for k, v in local.items()})
     return loss, stats
 
 

@@ -17,6 +17,7 @@ from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.update.actor import _forward_rows, check_fields
 from rlaudit.update.context import ForwardSpec, ParallelContext
+from rlaudit.update.stats import LOCAL
 from rlaudit.update.plan import optimizer_steps
 
 VALUE_SPEC = ForwardSpec(kind="values")
@@ -26,18 +27,24 @@ def critic_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominat
                 stat_denom: Denominators | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), aggregated with critic.loss_agg_mode;
-    vf_clipfrac and vpred_mean are token-means over the mini-batch's valid tokens (metrics over
-    ``stat_denom`` when given, as in :func:`rlaudit.update.actor.actor_loss`)."""
+    vf_clipfrac and vpred_mean are token-means over the mini-batch's valid tokens (local values
+    over ``stat_denom`` too when given, as in :func:`rlaudit.update.actor.actor_loss`)."""
     mask = micro.mask
     vpreds = out["values"]
     loss_mat, clipped = value_loss(vpreds, micro["values"], micro["returns"], mask,
                                    cliprange_value=cfg.critic.cliprange_value)
-    loss = agg_loss(loss_mat, mask, cfg.critic.loss_agg_mode, denom)
-    sd = denom if stat_denom is None else stat_denom
-    vf = loss if sd is denom else agg_loss(loss_mat.detach(), mask, cfg.critic.loss_agg_mode, sd)
-    tok = partial(agg_loss, mask=mask, mode="token-mean", denom=sd)
-    return loss, {"critic/vf_loss": vf, "critic/vf_clipfrac": tok(clipped.to(vpreds.dtype)),
-                  "critic/vpred_mean": tok(vpreds)}
+
+    def reduce(d: Denominators, detach: bool) -> dict[str, torch.Tensor]:
+        tok = partial(agg_loss, mask=mask, mode="token-mean", denom=d)
+        return {"critic/vf_loss": agg_loss(loss_mat.detach() if detach else loss_mat, mask,
+                                           cfg.critic.loss_agg_mode, d),
+                "critic/vf_clipfrac": tok(clipped.to(vpreds.dtype)),
+                "critic/vpred_mean": tok(vpreds.detach())}
+
+    stats = reduce(denom, detach=False)
+    if stat_denom is not None:
+        stats.update({f"{k}{LOCAL}": v for k, v in reduce(stat_denom, detach=True).items()})
+    return stats["critic/vf_loss"], stats
 
 
 def compute_values(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> torch.Tensor:

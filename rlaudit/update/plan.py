@@ -19,7 +19,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.data.batching import (is_padding_microbatch, microbatches_by_count,
                                    microbatches_by_tokens, pad_microbatch_list, shard_for_dp,
                                    split_minibatches)
-from rlaudit.update.stats import MetricAccumulator
+from rlaudit.update.stats import MetricAccumulator, split_stats
 
 
 @dataclass
@@ -41,9 +41,11 @@ def rank_shard(ctx, minibatch: RolloutBatch, *, balance: bool) -> RolloutBatch:
 
 
 def plan_micro(ctx, shard: RolloutBatch, *, micro_batch_size: int, use_dynamic_bsz: bool,
-               max_token_len: int, norm_len: float, extra_padding: int = 0) -> MicroPlan:
+               max_token_len: int, norm_len: float, extra_padding: int = 0,
+               seq_count: str = "valid-rows", tokens: float | None = None) -> MicroPlan:
     """Micro-batches of this rank's shard, padded to the max count over ranks, and the global
-    denominators (token and sequence counts all-reduced over ranks)."""
+    denominators (token and sequence counts all-reduced over ranks; ``seq_count`` says which
+    rows N_seq counts; ``tokens`` replaces N_tok when given: actor.loss_token_denominator)."""
     if len(shard) == 0:
         micros = []
     elif use_dynamic_bsz:
@@ -53,9 +55,10 @@ def plan_micro(ctx, shard: RolloutBatch, *, micro_batch_size: int, use_dynamic_b
     num_real = len(micros)
     target = int(ctx.all_reduce(torch.tensor(num_real), op="max").item()) + extra_padding
     micros = pad_microbatch_list(micros, target, shard)
-    local = Denominators.of(shard.mask, norm_len=norm_len)
+    local = Denominators.of(shard.mask, norm_len=norm_len, seq_count=seq_count)
     counts = ctx.all_reduce(torch.tensor([local.tokens, local.seqs], dtype=torch.float64))
-    denom = Denominators(tokens=float(counts[0]), seqs=float(counts[1]), norm_len=norm_len)
+    denom = Denominators(tokens=float(counts[0]) if tokens is None else tokens,
+                         seqs=float(counts[1]), norm_len=norm_len)
     return MicroPlan(micros, num_real, denom)
 
 
@@ -87,11 +90,17 @@ def optimizer_steps(ctx, batch: RolloutBatch, cfg, *, role: str, epochs: int,
     act = cfg.actor
     mb_rows = min(act.ppo_mini_batch_size * cfg.rollout.n, len(batch))
     norm_len = float(act.loss_scale_factor or batch.response_width)
-    micro_mean = cfg.trainer.metric_reduction == "microbatch-mean"
+    tr = cfg.trainer
+    # any metric reduced as micro-batch means: the loss functions report local values too
+    micro_mean = tr.metric_reduction == "microbatch-mean" or bool(tr.metric_reduction_except)
     acc = MetricAccumulator()
+    tokens = None
+    if act.loss_token_denominator == "batch-mean":   # the batch's tokens / mini-batches
+        tokens = float(batch.mask.sum()) / -(-len(batch) // mb_rows)
 
     def loss_fn(micro, out, *, denom):
-        local = Denominators.of(micro.mask, norm_len=denom.norm_len) if micro_mean else None
+        local = (Denominators.of(micro.mask, norm_len=denom.norm_len,
+                                 seq_count=act.loss_seq_count) if micro_mean else None)
         return loss(micro, out, cfg=cfg, denom=denom, stat_denom=local)
 
     for epoch in range(epochs):
@@ -101,15 +110,15 @@ def optimizer_steps(ctx, batch: RolloutBatch, cfg, *, role: str, epochs: int,
             plan = plan_micro(ctx, shard, micro_batch_size=micro_batch_size,
                               use_dynamic_bsz=act.use_dynamic_bsz,
                               max_token_len=act.ppo_max_token_len_per_gpu, norm_len=norm_len,
-                              extra_padding=cfg.trainer.extra_padding_microbatches)
+                              extra_padding=cfg.trainer.extra_padding_microbatches,
+                              seq_count=act.loss_seq_count, tokens=tokens)
             ctx.zero_grad()
             results = ctx.forward_backward(plan.micros, spec, partial(loss_fn, denom=plan.denom))
             micro_stats = [r["stats"] for r in results]
+            contrib, local = split_stats(micro_stats, tr.metric_mode)
+            stats = acc.sum_micro_stats(ctx, contrib)
             if micro_mean:
-                acc.add_micro_means(ctx, micro_stats, real=plan.num_real)
-                stats = {}
-            else:
-                stats = acc.sum_micro_stats(ctx, micro_stats)
+                acc.add_micro_means(ctx, local, real=plan.num_real)
             stats[f"{role}/grad_norm"] = ctx.clip_and_step(grad_clip)
             stats[f"{role}/lr"] = ctx.lr
             if extra is not None:

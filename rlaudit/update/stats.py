@@ -19,6 +19,23 @@ from collections import defaultdict
 import torch
 
 
+#: suffix of a loss function's stat computed over the micro-batch's own counts (its local value,
+#: reported next to the contribution when some metric is reduced as a micro-batch mean)
+LOCAL = "@local"
+
+
+def split_stats(micro_stats: list[dict], mode) -> tuple[list[dict], list[dict]]:
+    """Per micro-batch: (contributions of the metrics ``mode(name)`` reduces as
+    "contribution", local values of those it reduces as "microbatch-mean")."""
+    contrib, local = [], []
+    for s in micro_stats:
+        contrib.append({k: v for k, v in s.items()
+                        if not k.endswith(LOCAL) and mode(k) == "contribution"})
+        local.append({k[:-len(LOCAL)]: v for k, v in s.items()
+                      if k.endswith(LOCAL) and mode(k[:-len(LOCAL)]) == "microbatch-mean"})
+    return contrib, local
+
+
 class MetricAccumulator:
     def __init__(self):
         self._steps: list[dict[str, float]] = []

@@ -138,7 +138,9 @@ def prepare_batch(roles: Roles, batch: RolloutBatch, cfg: Config) -> tuple[Rollo
                                   token_level_rewards=batch["token_level_rewards"],
                                   response_mask=mask, uid=batch["uid"], values=batch.get("values"),
                                   gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                                  norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
+                                  norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                                  outcome_score=cfg.algorithm.outcome_score,
+                                  grpo_std_eps=cfg.algorithm.grpo_std_eps)
     batch = batch.with_fields(advantages=adv, returns=ret)
     return batch, metrics
 

@@ -35,8 +35,8 @@ BASE = {
 }
 
 
-def test_there_are_25_committed_scenarios():
-    assert len(COMMITTED) == 25
+def test_there_are_27_committed_scenarios():
+    assert len(COMMITTED) == 27
     assert discover(SCENARIOS) == COMMITTED  # models/ and rollouts/ hold no scenarios
 
 

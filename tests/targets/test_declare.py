@@ -401,3 +401,120 @@ def test_scenario_tolerance_floor_and_overrides():
         "metric_reduction": "microbatch-mean"})()))
     assert micro.config.trainer.metric_reduction == "microbatch-mean"
     assert scn.config.trainer.metric_reduction == "contribution"
+
+
+# ---- conventions: N_seq over every row, GRPO's epsilon -----------------------------------------
+
+class AllRowsAgg(ReferenceAdapter):
+    """Seq-mean aggregations divide by every row, empty ones included (SkyRL, slime, TRL)."""
+
+    name = "all-rows"
+
+    def agg_loss(self, *, loss_mat, mask, mode, denominators=None):
+        from rlaudit.algo.agg import Denominators
+        if denominators is None:
+            denominators = Denominators.of(mask, seq_count="all-rows")
+        return agg_loss(loss_mat, mask, mode, denominators)
+
+
+ALL_ROWS = Difference("seq-mean-over-all-rows", reason="N_seq counts every row",
+                      link="https://example.org/skyrl", checks=("agg_loss:*", "policy_loss:*"),
+                      convention={"seq_count": "all-rows"})
+
+
+def test_seq_count_convention():
+    stage = ["agg_loss"]
+    c = statuses(AllRowsAgg(), stage)["agg_loss:parity"]
+    problems = c.details["problems"]
+    assert c.status == FAIL and all(p.startswith("seq-mean") for p in problems), problems
+    declared = statuses(type("D", (AllRowsAgg,), {"differences": (ALL_ROWS,)})(), stage)
+    assert declared["agg_loss:parity"].status == PASS, declared["agg_loss:parity"].message
+    assert declared["agg_loss:global-split"].status == PASS
+    liar = statuses(type("L", (ReferenceAdapter,), {"differences": (ALL_ROWS,)})(), stage)
+    assert liar["agg_loss:parity"].status == FAIL
+
+
+def test_seq_count_all_rows_by_hand():
+    from rlaudit.algo.agg import Denominators
+    loss = torch.tensor([[1.0, 2.0], [4.0, 0.0], [9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False], [False, False]])
+    # seq-mean-token-sum: (3 + 4) / 2 valid rows, or / 3 rows
+    assert float(agg_loss(loss, mask, "seq-mean-token-sum")) == 3.5
+    d = Denominators.of(mask, seq_count="all-rows")
+    assert (d.tokens, d.seqs) == (3.0, 3.0)
+    assert float(agg_loss(loss, mask, "seq-mean-token-sum", d)) == pytest.approx(7 / 3)
+    assert float(agg_loss(loss, mask, "token-mean", d)) == pytest.approx(7 / 3)
+
+
+class TRLGroupEps(ReferenceAdapter):
+    """GRPO divided by (std + 1e-4), TRL's epsilon."""
+
+    name = "eps-1e-4"
+    advantage_estimators = ("grpo",)
+
+    def compute_advantages(self, **kw):
+        return ref_adv.compute_advantages(kw.pop("estimator"), **kw, grpo_std_eps=1e-4)
+
+
+def test_grpo_std_eps_convention():
+    stage = ["compute_advantages"]
+    assert statuses(TRLGroupEps(), stage)["compute_advantages:parity"].status == FAIL
+    eps = Difference("trl-eps", reason="std + 1e-4", link="https://example.org/trl",
+                     checks=("compute_advantages:*",), convention={"grpo_std_eps": 1e-4})
+    ok = statuses(type("D", (TRLGroupEps,), {"differences": (eps,)})(), stage)
+    assert ok["compute_advantages:parity"].status == PASS, ok["compute_advantages:parity"].message
+    wrong = Difference("trl-eps", reason="std + 1e-3", link="https://example.org/trl",
+                       checks=("compute_advantages:*",), convention={"grpo_std_eps": 1e-3})
+    bad = statuses(type("W", (TRLGroupEps,), {"differences": (wrong,)})(), stage)
+    assert bad["compute_advantages:parity"].status == FAIL
+
+
+def test_per_metric_reduction_declaration():
+    class Mixed(ReferenceAdapter):
+        metric_reduction = {"actor/pg_loss": "contribution", "*": "microbatch-mean"}
+
+        def policy_loss(self, *, denominators=None, **kw):
+            loss, metrics = super().policy_loss(denominators=denominators, **kw)
+            _, local = super().policy_loss(denominators=None, **kw)
+            return loss, {**local, "actor/pg_loss": metrics["actor/pg_loss"]}
+    d = validate(Mixed())
+    assert d.metric_mode("actor/pg_loss") == "contribution"
+    assert d.metric_mode("actor/ppo_kl") == "microbatch-mean"
+    assert d.config_overrides() == {"trainer.metric_reduction": "microbatch-mean",
+                                    "trainer.metric_reduction_except": ["actor/pg_loss"]}
+    assert statuses(Mixed(), ["policy_loss"])["policy_loss:global-split"].status == PASS
+    # all micro-batch means declared: pg_loss (a contribution here) is caught
+    every = type("E", (Mixed,), {"metric_reduction": "microbatch-mean"})()
+    assert statuses(every, ["policy_loss"])["policy_loss:global-split"].status == FAIL
+    with pytest.raises(InputError) as e:
+        validate(type("U", (ReferenceAdapter,), {"metric_reduction": {"actor/nope": "contribution"}})())
+    assert e.value.key == "metric_reduction"
+
+
+def test_token_denominator_batch_mean_on_the_reference_backend(tiny_model, builtin_rollout):
+    """TRL's dapo normaliser: every optimizer step divides by the batch's tokens / number of
+    mini-batches. With lr 0 both mini-batches are on-policy (per-token loss = -A), so the logged
+    pg_loss (mean over the two optimizer steps) is -sum(A m) / N_tok of the whole batch under
+    batch-mean, and the mean of the per-mini-batch token means otherwise."""
+    from rlaudit.backends.base import ReplayRequest
+    from rlaudit.backends.reference import ReferenceBackend
+    from rlaudit.scenarios.invariants.base import base_variant
+    from rlaudit.targets import builtin
+    scn = builtin.scenario(tiny_model)
+    runs = {}
+    for mode in ("minibatch", "batch-mean"):
+        v = base_variant(scn, builtin_rollout, mode, steps=1, **{
+            "actor.loss_token_denominator": mode, "actor.optim.lr": 0.0, "actor.ppo_epochs": 1})
+        (run,) = ReferenceBackend().replay(ReplayRequest(
+            model=str(scn.model), ref_model=str(scn.ref_model), variants=[v],
+            dtype="float64")).values()
+        runs[mode] = run
+    adv = runs["minibatch"].tokens["advantages"]
+    m = builtin_rollout.mask
+    half = len(m) // 2                               # two mini-batches of 4 rows
+    parts = [(-adv[s] * m[s]).sum() / m[s].sum() for s in (slice(0, half), slice(half, None))]
+    assert runs["minibatch"].steps[0]["actor/pg_loss"] == pytest.approx(float(sum(parts) / 2),
+                                                                       abs=1e-12)
+    want = float((-adv * m).sum() / m.sum())
+    assert runs["batch-mean"].steps[0]["actor/pg_loss"] == pytest.approx(want, abs=1e-12)
+    assert abs(want - float(sum(parts) / 2)) > 1e-3    # the layout makes them differ

@@ -155,3 +155,24 @@ def test_toy_adapter_fails_a_float64_scenario_without_its_precision(tiny_model):
                         scenarios_dir=builtin.tiny_model_path().parents[1])[1:]
     (c,) = [c for c in res.checks if c.backend == exact.name]
     assert c.status == FAIL and "rtol=1e-07" in c.message
+
+
+def _no_token_budget(cls):
+    """``cls`` refusing token-budget micro-batching (TRL has none)."""
+    def supports(self, config):
+        if config.actor.use_dynamic_bsz:
+            return False, "no token-budget micro-batching"
+        return cls.supports(self, config)
+    return type(f"{cls.__name__}NoBudget", (cls,), {"supports": supports})
+
+
+def test_microbatch_invariance_checks_the_cuts_a_target_can_run(tiny_model, builtin_rollout):
+    """A target without token budgets is still checked on micro-batches of 1 row and of all rows
+    (the budget variant named n/a), so per-micro-batch normalisation is still caught."""
+    inv = ["microbatch-invariance"]
+    res, mine = run(_no_token_budget(ToyAdapter)(), tiny_model, builtin_rollout, inv)
+    c = mine["microbatch-invariance"]
+    assert c.status == PASS and "microbatch:tokens" in c.message, c.message
+    res, mine = run(_no_token_budget(broken.PerMicroMeanTrainer)(), tiny_model, builtin_rollout,
+                    inv)
+    assert mine["microbatch-invariance"].status == FAIL

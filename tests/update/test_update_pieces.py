@@ -118,7 +118,8 @@ def test_plan_micro_padding_and_global_denominators():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_microbatch_mean_metrics_are_each_micro_batch_local_value(mode):
     """trainer.metric_reduction = microbatch-mean (a target's convention): the loss is still the
-    global contribution, the metrics are the micro-batch's own aggregation (naive loops)."""
+    global contribution; the metrics' local values are the micro-batch's own aggregation (naive
+    loops)."""
     batch, lp, adv, ent = _random_batch(11)
     cfg = load_config({"actor": {"loss_agg_mode": mode, "calculate_entropy": True,
                                  "entropy_coeff": 0.05}})
@@ -136,9 +137,12 @@ def test_microbatch_mean_metrics_are_each_micro_batch_local_value(mode):
             continue
         pg = naive_agg(-adv[rows], micro.mask, mode)
         h = naive_agg(ent[rows], micro.mask, mode)
-        assert float(stats["actor/pg_loss"]) == pytest.approx(pg, abs=1e-12)
-        assert float(stats["actor/entropy"]) == pytest.approx(h, abs=1e-12)
-        assert float(stats["actor/loss"]) == pytest.approx(pg - 0.05 * h, abs=1e-12)
+        assert float(stats["actor/pg_loss@local"]) == pytest.approx(pg, abs=1e-12)
+        assert float(stats["actor/entropy@local"]) == pytest.approx(h, abs=1e-12)
+        assert float(stats["actor/loss@local"]) == pytest.approx(pg - 0.05 * h, abs=1e-12)
+        # the contributions are reported too, unchanged
+        ref_stats = actor_loss(micro, out, cfg=cfg, denom=denom)[1]
+        assert all(float(stats[k]) == float(v) for k, v in ref_stats.items())
     want = naive_agg(-adv, batch.mask, mode) - 0.05 * naive_agg(ent, batch.mask, mode)
     assert total == pytest.approx(want, abs=1e-12)
 

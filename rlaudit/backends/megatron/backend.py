@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.launch import launch
 from rlaudit.backends.replay import replay_variant
@@ -161,6 +162,9 @@ def replay_in_rank(info, request: ReplayRequest) -> dict[str, VariantRun]:
                 made.append(_actor_context(actor_ckpt, v, **kw))
                 return Roles(actor=made[-1], ref=ref)
 
+            if request.faults:  # test-only (rlaudit/backends/faults.py)
+                variant, make_roles = faults.inject(request.faults, "megatron", variant,
+                                                    make_roles)
             run = replay_variant(make_roles, variant)
             run.info["norm_log"] = list(made[0].norm_log)
             run.info["optimizer"] = "+".join(type(o).__name__ for o in made[0].inner_optimizers())

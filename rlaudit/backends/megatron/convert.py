@@ -27,6 +27,14 @@ vocab after zero-padding to :func:`~rlaudit.backends.megatron.model.padded_vocab
 
 The fused QKV matrix is interleaved per query group: for group g (of ``nkv``) it holds the
 ``nq/nkv`` query heads of that group, then its key head, then its value head.
+
+The same correspondence at module level (:func:`module_names`; the drift localisation hooks these
+modules on both sides): ``embedding`` <-> ``model.embed_tokens``; per layer
+``decoder.layers.i`` <-> ``model.layers.(i+off)`` and its ``input_layernorm``,
+``self_attention`` <-> ``self_attn``, ``pre_mlp_layernorm`` <-> ``post_attention_layernorm``,
+``mlp``; ``decoder.final_layernorm`` <-> ``model.norm``; ``output_layer`` <-> ``lm_head``.
+Megatron's outputs are sequence-first (``[s, b, ...]``) and the output layer's are split over TP
+along the (padded) vocabulary; every other module's output is whole on every TP rank.
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
 _NORMS = (("input_layernorm.weight", "input_layernorm.weight"),
           ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"))
+#: megatron module of a decoder layer -> HF module (the parents of the parameters mapped below;
+#: "" is the decoder layer itself)
+_LAYER_MODULES = ((_NORMS[0][0].rsplit(".", 1)[0], _NORMS[0][1].rsplit(".", 1)[0]),
+                  ("self_attention", "self_attn"),
+                  (_NORMS[1][0].rsplit(".", 1)[0], _NORMS[1][1].rsplit(".", 1)[0]),
+                  ("mlp", "mlp"), ("", ""))
 
 
 # --------------------------------------------------------------------------- QKV layout
@@ -105,6 +119,34 @@ def stage_layers(spec: HFModelSpec, pp_rank: int, pp_size: int) -> range:
     """Global indices of the decoder layers held by pipeline stage ``pp_rank`` (even split)."""
     per = spec.num_layers // pp_size
     return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def module_names(hf_config: Any, *, pp_rank: int = 0, pp_size: int = 1) -> dict[str, str]:
+    """Megatron module name (local to stage ``pp_rank``) -> HF module name, for every module of
+    the stage whose parameters :func:`hf_to_megatron` maps, plus each decoder layer, in depth
+    order (embedding, then per layer: input norm, attention, MLP norm, MLP, the layer; final
+    norm, output layer)."""
+    spec = hf_model_spec(hf_config)
+    _check_ranks(0, 1, pp_rank, pp_size)
+    out: dict[str, str] = {}
+    if pp_rank == 0:
+        out[EMBED.rsplit(".", 2)[0]] = "model.embed_tokens"
+    for local, layer in enumerate(stage_layers(spec, pp_rank, pp_size)):
+        for mg, hf in _LAYER_MODULES:
+            out[f"decoder.layers.{local}" + (f".{mg}" if mg else "")] = (
+                f"model.layers.{layer}" + (f".{hf}" if hf else ""))
+    if pp_rank == pp_size - 1:
+        out[FINAL_NORM.rsplit(".", 1)[0]] = "model.norm"
+        out[OUTPUT.rsplit(".", 1)[0]] = "lm_head"
+    return out
+
+
+def module_names_of_stage(hf_config: Any) -> dict[str, str]:
+    """:func:`module_names` of this rank's pipeline stage (from ``megatron.core.parallel_state``)."""
+    from megatron.core import parallel_state as ps
+
+    return module_names(hf_config, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                        pp_size=ps.get_pipeline_model_parallel_world_size())
 
 
 # --------------------------------------------------------------------------- HF -> megatron

@@ -71,18 +71,21 @@ class Invariant:
     check: Callable[[CheckContext], list[CheckResult]]
     variants: Callable[[Scenario, RolloutBatch], list[Variant]] = lambda scn, batch: []
     doc: str = ""
+    partial: bool = False
+    """Its variants are alternatives (each compared with the baseline on its own): a backend
+    that cannot run some of them is still checked on the others (named in the message)."""
 
 
 INVARIANTS: Registry = Registry("invariant")
 
 
-def invariant(name: str, family: str, *, variants=None):
+def invariant(name: str, family: str, *, variants=None, partial: bool = False):
     """Register ``check`` (whose docstring is the invariant's documentation)."""
 
     def deco(check):
         inv = Invariant(name=name, family=family, check=check,
                         variants=variants or (lambda scn, batch: []),
-                        doc=(check.__doc__ or "").strip())
+                        doc=(check.__doc__ or "").strip(), partial=partial)
         INVARIANTS.register(name)(inv)
         return check
 

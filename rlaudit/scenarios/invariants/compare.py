@@ -127,7 +127,7 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
                                            want.params[step], scn.tol("params"))
             if not ok:
                 idx = det.get("worst", [{}])[0].get("index", [0])[0]
-                c.fail(f"{pre}{msg} (in {_param_of(want, idx)})", **det)
+                c.fail(f"{pre}{msg} (in {_param_of(want, idx)})", step=step, **det)
     return c
 
 

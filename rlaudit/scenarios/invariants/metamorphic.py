@@ -28,10 +28,12 @@ def cut_invariant_metrics(scn, run) -> list[str] | None:
     (``trainer.metric_reduction``, a target's declared convention), the loss-term metrics:
     a mean of micro-batch means depends on the cut by definition (loss and update do not).
     None: every metric."""
-    if scn.config.trainer.metric_reduction != "microbatch-mean":
+    tr = scn.config.trainer
+    if tr.metric_reduction != "microbatch-mean" and not tr.metric_reduction_except:
         return None
     names = {n for s in run.steps for n in golden_names(s)}
-    return sorted(n for n in names if spec(n).reduction != "global")
+    return sorted(n for n in names if spec(n).reduction != "global"
+                  or tr.metric_mode(n) == "contribution")
 
 
 def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, *,
@@ -70,7 +72,7 @@ def _micro_variants(scn, batch):
                             "actor.ppo_max_token_len_per_gpu": max(longest, 2 * longest - 3)})]
 
 
-@invariant("microbatch-invariance", "metamorphic", variants=_micro_variants)
+@invariant("microbatch-invariance", "metamorphic", variants=_micro_variants, partial=True)
 def microbatch_invariance(ctx: CheckContext):
     """Cutting each mini-batch into micro-batches of 1 row, of all its rows, or by a token budget
     (use_dynamic_bsz) gives the same metrics, per-token log-probs/entropy and updated parameters
@@ -177,19 +179,26 @@ def no_input_mutation(ctx: CheckContext):
     return out
 
 
+#: how parts of one invariant combine per backend: the first status in this order wins
+_MERGE_ORDER = ("error", "fail", "pass", "n/a")
+
+
 def _merge(results):
-    """One result per backend: fail if any part failed, messages joined."""
-    by_backend = {}
+    """One result per backend: fail if any part failed (messages joined), else pass if any part
+    passed (parts that were n/a named in the message), else n/a."""
+    by_backend: dict[str, list] = {}
     for r in results:
-        prev = by_backend.get(r.backend)
-        if prev is None:
-            by_backend[r.backend] = r
-            continue
-        if prev.status == "pass" and r.status != "pass":
-            by_backend[r.backend] = r
-        elif prev.status == r.status == "fail":
-            prev.message += "; " + r.message
-        prev = by_backend[r.backend]
-        prev.drift = max(prev.drift or 0.0, r.drift or 0.0)
-    return list(by_backend.values())
+        by_backend.setdefault(r.backend, []).append(r)
+    out = []
+    for parts in by_backend.values():
+        status = next(s for s in _MERGE_ORDER if any(p.status == s for p in parts))
+        chosen = [p for p in parts if p.status == status]
+        first = chosen[0]
+        first.message = "; ".join(p.message for p in chosen)
+        skipped = [p.message for p in parts if p.status == "n/a"] if status == "pass" else []
+        if skipped:
+            first.message += " (not run: " + "; ".join(skipped) + ")"
+        first.drift = max((p.drift or 0.0) for p in parts)
+        out.append(first)
+    return out
 

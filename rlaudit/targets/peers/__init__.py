@@ -27,9 +27,11 @@ from rlaudit.errors import InputError
 
 #: short name -> "module:Attr" of its adapter
 PEERS: dict[str, str] = {
+    "verl": "rlaudit.targets.peers.verl:VerlAdapter",
     "skyrl": "rlaudit.targets.peers.skyrl:SkyRLAdapter",
     "slime": "rlaudit.targets.peers.slime:SlimeAdapter",
 }
+PEERS["trl"] = "rlaudit.targets.peers.trl:TRLAdapter"
 
 _SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9A-Za-z][0-9A-Za-z.+-]*))?$")
 
@@ -93,7 +95,7 @@ def activate(name: str, version: str | None = None) -> str | None:
 
 
 #: the top-level module each peer installs (for "is it importable already?")
-MODULES: dict[str, str] = {"skyrl": "skyrl", "slime": "slime"}
+MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl"}
 
 #: peers not on the package index, audited from source snapshots: name -> (environment variable
 #: naming a checkout or a folder of ``<commit>/`` snapshots, the commit used when none is asked)

@@ -6,6 +6,8 @@ with HF logits, gathering from real ranks) are in test_megatron_parity.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -171,3 +173,27 @@ def test_load_hf_checkpoint_reads_a_snapshot(tmp_path):
     assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     with pytest.raises(InputError, match="config.json"):
         convert.load_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_module_map_covers_every_converted_parameter_and_matches_hf_modules(qwen2, pp):
+    """module_names: each stage's megatron modules map to HF modules of the HF model itself, and
+    every parameter hf_to_megatron gives a stage lives in a mapped module (same parent)."""
+    model, config = qwen2, qwen2.config
+    hf_modules = {n for n, _ in model.named_modules()}
+    hf_sd = model.state_dict()
+    seen = []
+    for p in range(pp):
+        names = convert.module_names(config, pp_rank=p, pp_size=pp)
+        assert set(names.values()) <= hf_modules
+        seen += list(names.values())
+        for mg_param in convert.hf_to_megatron(hf_sd, config, pp_rank=p, pp_size=pp):
+            parent = mg_param.rsplit(".", 1)[0]
+            leaves = [m for m in names if not re.fullmatch(r"decoder\.layers\.\d+", m)]
+            assert any(parent == m or parent.startswith(m + ".") for m in leaves), mg_param
+    n = config.num_hidden_layers
+    assert seen[0] == "model.embed_tokens" and seen[-2:] == ["model.norm", "lm_head"]
+    assert seen[1:6] == ["model.layers.0.input_layernorm", "model.layers.0.self_attn",
+                         "model.layers.0.post_attention_layernorm", "model.layers.0.mlp",
+                         "model.layers.0"]
+    assert len(seen) == 3 + 5 * n

@@ -1,0 +1,296 @@
+"""Install the pinned peers (``make peers``): one ``pip install --target`` directory per peer.
+
+    python -m rlaudit.targets.peers.install                 # every requirements/peers/*.txt
+    python -m rlaudit.targets.peers.install verl-0.9.1      # only these
+    python -m rlaudit.targets.peers.install --list          # what is pinned, what is installed
+
+For every ``requirements/peers/<name>-<version>.txt`` this runs
+``pip install --no-deps --target <peers dir>/<name>-<version> -r <file>`` with the running
+interpreter (``<peers dir>``: :func:`rlaudit.targets.peers.peers_dir`). Peers' own dependency
+lists pull CUDA builds of torch and pins that conflict with the CPU environment, so nothing is
+resolved: each file pins (``==``) the peer plus only the packages its imported modules need that
+the environment lacks. After installing, every top-level module of the new directory is checked
+against the environment: one the environment already has (torch, numpy, transformers, ...) would
+shadow it once the directory is first on ``sys.path``, so that is an error naming the file.
+
+Some wheels ship stray top-level packages (verl's wheel has ``tests`` and ``scripts``, which would
+shadow the repository's own ``tests`` package): a line ``#! drop: tests scripts`` in the
+requirements file removes those top-level entries after pip ran.
+
+A peer whose wheel declares a newer Python than the environment's, but whose imported modules run
+on it (SkyRL declares >= 3.12), says so with ``#! pip: --ignore-requires-python`` (the only pip
+option a requirements file may add: :data:`PIP_OPTIONS`).
+
+Idempotent: a stamp file holds the hash of the requirements file (and of the interpreter's
+version and platform, since some pinned wheels are compiled); when it matches, nothing runs.
+Atomic: pip installs into a temporary directory beside the target, which is renamed into place
+only when everything succeeded; an interrupted run leaves the previous install untouched.
+A lock file serialises concurrent runs on one peers directory.
+
+Exit codes: 0 done, 1 pip failed or the installed directory would shadow the environment,
+2 bad input (unknown name, a requirement that is not pinned with ``==``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlaudit.errors import InputError
+from rlaudit.targets.peers import peers_dir
+
+#: where the pinned requirement files live, relative to the repository root
+REQUIREMENTS = Path(__file__).resolve().parents[3] / "requirements" / "peers"
+#: file in an installed peer directory holding the hash it was built from
+STAMP = ".rlaudit-installed"
+_FILE_NAME = re.compile(r"^(?P<name>[a-z][a-z0-9_]*)-(?P<version>[0-9][0-9A-Za-z.+]*)\.txt$")
+_DROP = re.compile(r"^#!\s*drop:\s*(?P<names>.*)$")
+_PIP = re.compile(r"^#!\s*pip:\s*(?P<options>.*)$")
+#: pip options a requirements file may add with ``#! pip: ...``
+PIP_OPTIONS = ("--ignore-requires-python",)
+_PINNED = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*(\[[A-Za-z0-9,._\-]+\])?==[0-9A-Za-z.+!\-]+$")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One pinned peer: ``<name>-<version>`` and its requirements file."""
+
+    name: str
+    version: str
+    requirements: Path
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{self.version}"
+
+    @property
+    def target(self) -> Path:
+        return peers_dir() / self.key
+
+    def digest(self) -> str:
+        """sha256 of the requirements file, the interpreter's version and its platform."""
+        h = hashlib.sha256(self.requirements.read_bytes())
+        h.update(f"\0{sys.version_info[0]}.{sys.version_info[1]}\0{sysconfig.get_platform()}"
+                 .encode())
+        return h.hexdigest()
+
+    def up_to_date(self) -> bool:
+        stamp = self.target / STAMP
+        return stamp.is_file() and stamp.read_text().strip() == self.digest()
+
+
+def pinned_peers(requirements: Path | None = None) -> list[Peer]:
+    """Every ``<name>-<version>.txt`` under ``requirements`` (default :data:`REQUIREMENTS`),
+    validated (each requirement line pinned with ``==``; the first one is the peer itself)."""
+    requirements = REQUIREMENTS if requirements is None else requirements
+    peers = []
+    for path in sorted(requirements.glob("*.txt")):
+        m = _FILE_NAME.match(path.name)
+        if m is None:
+            raise InputError(f"expected <name>-<version>.txt (e.g. verl-0.9.1.txt), got "
+                             f"{path.name!r}", source=str(path))
+        peer = Peer(m["name"], m["version"], path)
+        reqs = _requirements(path)
+        first = reqs[0] if reqs else ""
+        if not re.match(rf"^{re.escape(peer.name)}(\[[^\]]*\])?=={re.escape(peer.version)}$",
+                        first, re.IGNORECASE):
+            raise InputError(f"the first requirement must be {peer.name}=={peer.version} (the "
+                             f"file's name), got {first!r}", source=str(path))
+        pip_options(path), dropped(path)          # directives checked before anything runs
+        peers.append(peer)
+    return peers
+
+
+def _requirements(path: Path) -> list[str]:
+    """The requirement lines of ``path`` (comments and blanks dropped), each checked to be
+    ``name==version``: an unpinned line would let pip pick something else next month."""
+    out = []
+    for n, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not _PINNED.match(line):
+            raise InputError(f"line {n}: expected a pinned requirement NAME==VERSION, got "
+                             f"{line!r}", source=str(path))
+        out.append(line)
+    return out
+
+
+def dropped(path: Path) -> list[str]:
+    """Top-level entries the ``#! drop: a b`` lines of ``path`` ask to remove after install."""
+    names = []
+    for raw in path.read_text().splitlines():
+        m = _DROP.match(raw.strip())
+        if m:
+            names += m["names"].split()
+    bad = [n for n in names if not re.fullmatch(r"[A-Za-z0-9_.\-]+", n) or n in (".", "..")]
+    if bad:
+        raise InputError(f"'#! drop:' expects top-level names, got {bad}", source=str(path))
+    return names
+
+
+def pip_options(path: Path) -> list[str]:
+    """Extra pip options the ``#! pip: ...`` lines of ``path`` ask for (:data:`PIP_OPTIONS`)."""
+    options = []
+    for raw in path.read_text().splitlines():
+        m = _PIP.match(raw.strip())
+        if m:
+            options += m["options"].split()
+    bad = [o for o in options if o not in PIP_OPTIONS]
+    if bad:
+        raise InputError(f"'#! pip:' accepts {', '.join(PIP_OPTIONS)}, got {bad}",
+                         source=str(path))
+    return options
+
+
+def select(peers: list[Peer], names: list[str]) -> list[Peer]:
+    """The peers named ``<name>-<version>`` (or just ``<name>``: every pinned version)."""
+    if not names:
+        return peers
+    chosen = []
+    for name in names:
+        hits = [p for p in peers if name in (p.key, p.name)]
+        if not hits:
+            raise InputError(f"no requirements/peers/{name}.txt; pinned: "
+                             f"{', '.join(p.key for p in peers) or 'none'}", key="NAME-VERSION")
+        chosen += [p for p in hits if p not in chosen]
+    return chosen
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def top_level_modules(directory: Path) -> set[str]:
+    """Importable top-level names a ``pip install --target`` directory provides."""
+    names = set()
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") or entry.name in ("bin", "__pycache__"):
+            continue
+        if entry.suffix in (".dist-info", ".egg-info", ".data") or entry.suffix == ".pth":
+            continue
+        if entry.is_dir() and (entry / "__init__.py").is_file():
+            names.add(entry.name)
+        elif entry.is_dir():
+            names.add(entry.name)                       # namespace package
+        elif entry.suffix in (".py", ".so", ".pyd"):
+            names.add(entry.name.split(".", 1)[0])
+    return names
+
+
+def shadowed(directory: Path) -> list[str]:
+    """Top-level modules of ``directory`` that this environment can already import (they would
+    shadow the environment's copy: a CUDA torch over the CPU one, an older numpy, ...)."""
+    found = []
+    for name in sorted(top_level_modules(directory)):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and not _inside(spec, directory):
+            found.append(name)
+    return found
+
+
+def _inside(spec, directory: Path) -> bool:
+    locations = [spec.origin] if spec.origin else []
+    locations += list(spec.submodule_search_locations or [])
+    root = str(directory.resolve())
+    return any(str(loc).startswith(root) for loc in locations if loc)
+
+
+def _size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def install(peer: Peer, *, quiet: bool = True) -> str:
+    """Install ``peer`` unless its stamp matches; returns a one-line summary."""
+    if peer.up_to_date():
+        return f"{peer.key}: up to date ({peer.target})"
+    t0 = time.perf_counter()
+    root = peers_dir()
+    tmp = root / f".tmp-{peer.key}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+           "--no-input", *pip_options(peer.requirements), "--target", str(tmp),
+           "-r", str(peer.requirements)]
+    if quiet:
+        cmd.insert(4, "-q")
+    try:
+        proc = subprocess.run(cmd, capture_output=quiet, text=True)
+        if proc.returncode != 0:
+            tail = ((proc.stdout or "") + (proc.stderr or ""))[-2000:] if quiet else ""
+            raise RuntimeError(f"{peer.key}: pip failed (exit {proc.returncode}) installing "
+                               f"{peer.requirements}:\n{tail}")
+        for name in dropped(peer.requirements):
+            entry = tmp / name
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            elif entry.exists():
+                entry.unlink()
+        bad = shadowed(tmp)
+        if bad:
+            raise RuntimeError(f"{peer.key}: {peer.requirements} installs {', '.join(bad)}, "
+                               f"which this environment already has: the copy in {peer.target} "
+                               f"would shadow it (remove it from the file)")
+        (tmp / STAMP).write_text(peer.digest() + "\n")
+        old = root / f".old-{peer.key}-{os.getpid()}"
+        if peer.target.exists():
+            peer.target.rename(old)
+        tmp.rename(peer.target)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return (f"{peer.key}: installed in {time.perf_counter() - t0:.1f} s, "
+            f"{_size(peer.target) / 2**20:.0f} MiB ({peer.target})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlaudit.targets.peers.install",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME-VERSION",
+                        help="peers to install (default: every requirements/peers/*.txt)")
+    parser.add_argument("--list", action="store_true", help="list pinned peers and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show pip's output")
+    args = parser.parse_args(argv)
+    try:
+        peers = select(pinned_peers(), args.names)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.list:
+        for p in peers:
+            state = "installed" if p.up_to_date() else "not installed (or stale)"
+            print(f"{p.key}: {state} ({p.target})")
+        return 0
+    with _locked(peers_dir()):
+        for peer in peers:
+            try:
+                print(install(peer, quiet=not args.verbose), flush=True)
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

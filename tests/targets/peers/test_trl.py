@@ -1,0 +1,152 @@
+"""TRL's real GRPOTrainer audited end to end through ``train_step`` (rlaudit/targets/peers/trl.py).
+
+Skipped unless TRL is importable or installed under the peers directory:
+    pip install --no-deps --target .peers/trl-1.16.0 -r requirements/peers/trl-1.16.0.txt
+
+The clean trainer must show no undeclared failure on the built-in target scenario and the TRL
+scenario family; three realistic bugs injected into TRL's loss path (by subclassing or
+monkeypatching TRL, never by editing it) must each be caught by a named invariant.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlaudit.errors import InputError
+from rlaudit.targets.peers import activate, installed_versions
+
+VERSION = os.environ.get("RLAUDIT_TRL_VERSION")   # None: the installed/newest one
+
+try:
+    activate("trl", VERSION)
+    import trl  # noqa: F401
+    from trl.trainer import grpo_trainer as gt
+except (InputError, ImportError) as e:  # pragma: no cover - depends on the machine
+    pytest.skip(f"TRL is not installed (pip install --no-deps --target .peers/trl-1.16.0 -r "
+                f"requirements/peers/trl-1.16.0.txt; installed: {installed_versions('trl')}): "
+                f"{e}", allow_module_level=True)
+
+from rlaudit.targets.peers import trl as trl_peer  # noqa: E402
+from rlaudit.targets.runner import run_target  # noqa: E402
+
+pytestmark = pytest.mark.slow
+FAMILY = ["trl_gradacc_uneven", "trl_seq_importance"]
+BUG_SCENARIO = "trl_gradacc_uneven"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is ~100x faster than two on a loaded 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _run(adapter, scenarios=None, invariants=None):
+    res = run_target(adapter, scenario_names=scenarios, stages=[], invariants=invariants)
+    return [c for r in res[1:] for c in r.checks if c.backend == adapter.name]
+
+
+def _undeclared(checks):
+    covered = trl_peer.declared_checks()
+    return [f"{c.invariant}: {c.message}" for c in checks
+            if c.status in ("fail", "error") and c.invariant not in covered]
+
+
+def _status(checks, invariant):
+    return {c.status for c in checks if c.invariant == invariant}
+
+
+def _params_differ(checks):
+    """backend-parity failed on the updated parameters (not only on a declared metric)."""
+    return any("parameters after step" in str(c.details) for c in checks
+               if c.invariant == "backend-parity" and c.status == "fail")
+
+
+# ---- the clean trainer -------------------------------------------------------------------------
+
+def test_family_end_to_end_no_undeclared_failure():
+    checks = _run(trl_peer.TRLAdapter(), FAMILY)
+    assert not _undeclared(checks), _undeclared(checks)
+    # what must really have run (not n/a) on TRL's own code
+    assert _status(checks, "rollout-parity") == {"pass"}          # temperature in the forward
+    assert _status(checks, "masked-values") == {"pass"}           # holes and padding ignored
+    assert _status(checks, "padding-appended") == {"pass"}
+    assert _status(checks, "grad-norm-identity") == {"pass"}
+    assert "pass" in _status(checks, "backend-parity")            # GSPO + 2 epochs: exact
+    assert not _params_differ(checks)
+
+
+def test_builtin_scenario_no_undeclared_failure():
+    checks = _run(trl_peer.TRLAdapter())
+    assert not _undeclared(checks), _undeclared(checks)
+    assert _status(checks, "rollout-parity") == {"pass"}
+    assert _status(checks, "no-input-mutation") == {"pass"}
+
+
+# ---- three bugs injected into TRL's loss path, one at a time ------------------------------------
+
+class LocalTokenNormaliser(gt.GRPOTrainer):
+    """Bug 1: the DAPO/token-mean loss normalised by the local micro-batch's token count
+    (``num_items_in_batch`` counted per micro-batch instead of over the accumulation window)."""
+
+    def _compute_loss(self, model, inputs):
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        spg, ga = self.args.steps_per_generation, self.current_gradient_accumulation_steps
+        local = mask.sum().clamp(min=1) * spg / ga   # TRL rescales by ga / spg: local count
+        return super()._compute_loss(model, dict(inputs, num_items_in_batch=local))
+
+
+class StaleOldLogProbs(gt.GRPOTrainer):
+    """Bug 3: the old policy's log-probs dropped from the generation batch, so every iteration
+    (num_iterations = 2) uses the current forward as the old policy: ratio 1, no clipping."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        out.pop("old_per_token_logps", None)
+        return out
+
+
+def _no_temperature(monkeypatch):
+    """Bug 2: the rollout temperature dropped from the training forward."""
+    if hasattr(gt, "add_fused_lm_head"):        # 1.15+: the temperature lives in the LM head
+        real = gt.add_fused_lm_head
+
+        def add_fused_lm_head(model, temperature=1.0, **kw):
+            return real(model, temperature=1.0, **kw)
+        monkeypatch.setattr(gt, "add_fused_lm_head", add_fused_lm_head)
+        return gt.GRPOTrainer
+
+    class NoTemperature(gt.GRPOTrainer):     # before: logits / self.temperature in the forward
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.temperature = 1.0
+    return NoTemperature
+
+
+def test_bug_local_token_normaliser_caught_by_backend_parity():
+    adapter = trl_peer.TRLAdapter()
+    adapter.trainer_class = LocalTokenNormaliser
+    checks = _run(adapter, [BUG_SCENARIO], ["backend-parity", "grad-norm-identity"])
+    assert _status(checks, "backend-parity") == {"fail"}
+    assert _params_differ(checks)                    # not only the declared metric difference
+    assert _status(checks, "grad-norm-identity") == {"pass"}   # self-consistent, still wrong
+
+
+def test_bug_temperature_dropped_caught_by_rollout_parity(monkeypatch):
+    adapter = trl_peer.TRLAdapter()
+    adapter.trainer_class = _no_temperature(monkeypatch)
+    checks = _run(adapter, [BUG_SCENARIO], ["rollout-parity"])
+    assert _status(checks, "rollout-parity") == {"fail"}
+
+
+def test_bug_stale_old_log_probs_caught_by_backend_parity():
+    adapter = trl_peer.TRLAdapter()
+    adapter.trainer_class = StaleOldLogProbs
+    checks = _run(adapter, [BUG_SCENARIO], ["backend-parity"])
+    assert _status(checks, "backend-parity") == {"fail"}
+    assert _params_differ(checks)

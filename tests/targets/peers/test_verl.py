@@ -1,0 +1,137 @@
+"""The verl adapter against the pinned verl releases (installed by `make peers`), run the way a user
+runs it: `rlaudit run --target verl==<version>` in a subprocess (two verl versions cannot share a
+process), plus hand-worked inputs through each version (tests/targets/peers/verl_probe.py).
+
+verl 0.9.1 must pass with its documented differences declared; verl 0.7.1 must fail exactly on its
+known bugs: GSPO ignoring loss_agg_mode, the REINFORCE++ return recursion resetting at masked
+(tool-output) tokens, and the legacy actor's dynamic batching giving DP ranks different
+micro-batch counts (verl issues #6176/#6178, fixed by PR #5591 after 0.7.1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlaudit.targets.peers import peers_dir
+
+REPO = Path(__file__).resolve().parents[3]
+PROBE = Path(__file__).with_name("verl_probe.py")
+TIMEOUT_S = 600
+
+
+def _needs(version: str):
+    path = peers_dir() / f"verl-{version}"
+    return pytest.mark.skipif(not path.is_dir(), reason=f"verl {version} is not installed under "
+                              f"{path.parent} (run `make peers`)")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("RLAUDIT_TEST_THREADS", "1")
+    return env
+
+
+def _run(version: str, tmp_path: Path) -> tuple[dict, int, dict[str, dict], str]:
+    """verl_probe.py in a subprocess: (hand-worked outputs, CLI exit code, CLI checks by name,
+    CLI stderr)."""
+    out = tmp_path / "probe.json"
+    p = subprocess.run([sys.executable, str(PROBE), version, str(out), str(tmp_path / "report")],
+                       capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=_env())
+    if not out.is_file():
+        pytest.fail(f"the probe failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    try:
+        results = json.loads(p.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"exit {p.returncode}, no JSON on stdout:\n{p.stdout[-2000:]}\n"
+                    f"{p.stderr[-4000:]}")
+    checks = {c["invariant"]: c for r in results for c in r["checks"]}
+    return json.loads(out.read_text()), p.returncode, checks, p.stderr
+
+
+# ---- hand-worked numbers ------------------------------------------------------------------------
+
+#: GRPO, group {row 0: score 1, row 1: score 0 + 5 on a masked position}: verl sums every
+#: position (scores 1 and 5: mean 3, std sqrt(8)), so row 0 gets (1 - 3) / (sqrt(8) + 1e-6)
+GRPO_UNMASKED = (1 - 3) / (math.sqrt(8) + 1e-6)
+#: k3+ at log_prob -1, ref -1.5: value exp(-0.5) + 0.5 - 1, gradient of k2 = -1 - (-1.5)
+K3PLUS = [math.exp(-0.5) + 0.5 - 1, 0.5]
+
+
+@pytest.mark.slow
+@_needs("0.9.1")
+def test_verl_091(tmp_path):
+    out, code, checks, stderr = _run("0.9.1", tmp_path)
+    assert out["version"] == "0.9.1"
+    # REINFORCE++, rewards [0, 0, 1], mask [1, 0, 1], gamma 0.5: the tool token is skipped, so
+    # the first action's return is 0 + 0.5 * 1
+    assert out["rfpp_returns"] == pytest.approx([0.5, 1.0], abs=1e-6)
+    assert out["grpo_adv_row0"] == pytest.approx(GRPO_UNMASKED, rel=1e-5)
+    assert out["grpo_returns_is_advantages"] is True       # aliased outputs: a note, not a bug
+    # GSPO on-policy, losses -1, -1 (row 0) and -4 (row 1): token-mean -6/3, seq-mean -(1+4)/2
+    assert out["gspo_token-mean"] == pytest.approx(-2.0, abs=1e-6)
+    assert out["gspo_seq-mean-token-mean"] == pytest.approx(-2.5, abs=1e-6)
+    assert math.isnan(out["agg_empty_local"]) and out["agg_empty_global"] == 0.0
+    assert out["k3plus"] == pytest.approx(K3PLUS, rel=1e-6)
+    ranks = out["microbatches_per_rank"]
+    assert len(set(ranks)) == 1, ranks                     # counts all-reduced over DP ranks
+    # VerlVectorizedAdapter: grpo_vectorized ignores norm_adv_by_std_in_grpo=False through the
+    # trainer's dispatcher (verl PR #7893): row 0 gets (1 - 0.5) / std{1, 0} instead of 1 - 0.5
+    assert out["drgrpo_vectorized_row0"] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5)
+    # rloo_vectorized: a single-response prompt gets 0, rloo gives its score
+    assert (out["rloo_singleton"], out["rloo_vectorized_singleton"]) == (2.0, 0.0)
+
+    # rlaudit run --target verl==0.9.1: exit 0, the documented differences declared
+    bad = {k: c["message"] for k, c in checks.items() if c["status"] in ("fail", "error")}
+    assert code == 0 and not bad, (code, bad, stderr[-2000:])
+    for name in ("compute_advantages:parity", "policy_loss:parity", "agg_loss:global-split",
+                 "apply_kl_in_reward:stored-kl-unaltered", "kl_penalty:parity",
+                 "make_microbatches:equal-count-per-rank"):
+        assert checks[name]["status"] == "pass", (name, checks[name]["message"])
+    # the NaN of agg_loss on an all-masked batch without global counts is declared, not hidden
+    assert checks["agg_loss:parity"]["status"] == "differs"
+    assert "agg-loss-nan-on-empty" in checks["agg_loss:parity"]["message"]
+
+
+@pytest.mark.slow
+@_needs("0.7.1")
+def test_verl_071(tmp_path):
+    out, code, checks, stderr = _run("0.7.1", tmp_path)
+    assert out["version"] == "0.7.1"
+    # the running return is reset to 0 at the tool token: the first action gets 0 + 0.5 * 0
+    assert out["rfpp_returns"] == pytest.approx([0.0, 1.0], abs=1e-6)
+    assert out["grpo_adv_row0"] == pytest.approx(GRPO_UNMASKED, rel=1e-5)
+    # GSPO aggregates seq-mean-token-mean whatever loss_agg_mode says
+    assert out["gspo_token-mean"] == pytest.approx(-2.5, abs=1e-6)
+    assert out["gspo_seq-mean-token-mean"] == pytest.approx(-2.5, abs=1e-6)
+    assert out["k3plus"].startswith("NotImplementedError")  # '+' kinds came in verl PR #6058
+    # rows 0-5 (54 tokens) and 6-11 (16 tokens) with a budget of 16, no DP all-reduce
+    assert out["microbatches_per_rank"] == [4, 1]
+    # VerlVectorizedAdapter: grpo_vectorized ignores norm_adv_by_std_in_grpo=False through the
+    # trainer's dispatcher (verl PR #7893): row 0 gets (1 - 0.5) / std{1, 0} instead of 1 - 0.5
+    assert out["drgrpo_vectorized_row0"] == pytest.approx(0.5 / math.sqrt(0.5), rel=1e-5)
+    # rloo_vectorized: a single-response prompt gets 0, rloo gives its score
+    assert (out["rloo_singleton"], out["rloo_vectorized_singleton"]) == (2.0, 0.0)
+
+    # rlaudit run --target verl==0.7.1: exit 1 through exactly these checks
+    failed = {k for k, c in checks.items() if c["status"] in ("fail", "error")}
+    assert code == 1, stderr[-2000:]
+    assert failed == {"compute_advantages:parity", "policy_loss:parity",
+                      "make_microbatches:equal-count-per-rank"}, \
+        {k: checks[k]["message"] for k in failed}
+    problems = {k: checks[k]["details"]["problems"] for k in failed}
+    # only REINFORCE++ (not its -baseline) differs among the estimators ...
+    assert all(p.startswith("reinforce_plus_plus gamma=") for p in
+               problems["compute_advantages:parity"]), problems["compute_advantages:parity"]
+    # ... only GSPO among the losses, and never under its hard-coded seq-mean-token-mean
+    assert all(p.startswith("gspo/") and "seq-mean-token-mean" not in p.split(" ")[0]
+               for p in problems["policy_loss:parity"]), problems["policy_loss:parity"]
+    # ... and only the token-budget layouts (DataProto.split by count gives equal counts)
+    assert all("max_token_len" in p for p in problems["make_microbatches:equal-count-per-rank"])
