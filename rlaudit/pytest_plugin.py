@@ -3,7 +3,8 @@
     pytest scenarios/                          every scenario file, one item per scenario x backend
     pytest scenarios/ -n auto                  in parallel (pytest-xdist)
     pytest scenarios/seed_entropy_coeff_zero.yaml --rlaudit-backend fsdp
-    pytest scenarios/ --rlaudit-bless          regenerate goldens (items fail: review the diff)
+    pytest scenarios/ --rlaudit-bless          regenerate goldens (items fail: review the diff;
+                                               refused for an item whose own checks fail)
 
 A YAML file is collected when it has a top-level ``invariants`` key (a scenario); item ids read
 ``scenarios/<file>.yaml::<scenario>[<backend>]``. An item runs the scenario on its backend (plus
@@ -88,7 +89,7 @@ class ScenarioItem(pytest.Item):
         ok, why = get_backend(self.backend).available()
         if not ok:
             pytest.skip(f"backend {self.backend} unavailable: {why}")
-        from rlaudit.scenarios.golden import compare_or_bless
+        from rlaudit.scenarios.golden import bless_blocker, compare_or_bless
         backends = ["reference"] if self.backend == "reference" else ["reference", self.backend]
         res = run_scenario(self.scenario, backends=backends, golden_dir=None)
         # the reference backend's own item reports its checks; this item reports its backend's
@@ -98,8 +99,10 @@ class ScenarioItem(pytest.Item):
             golden_dir = Path(self.config.getoption("rlaudit_golden_dir"))
             if not golden_dir.is_absolute():
                 golden_dir = Path(self.config.rootpath) / golden_dir
+            bless = self.config.getoption("rlaudit_bless")  # refused if this item's checks fail
             res.golden = compare_or_bless(self.scenario, {self.backend: res.runs[self.backend]},
-                                          golden_dir, bless=self.config.getoption("rlaudit_bless"))
+                                          golden_dir, bless=bless,
+                                          refuse=bless_blocker(res) if bless else None)
         from rlaudit.scenarios.result import NO_GOLDEN_STATE, PASSED
         allowed = {PASSED} | (set() if self.config.getoption("rlaudit_require_golden")
                               else {NO_GOLDEN_STATE})
