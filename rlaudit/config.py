@@ -71,11 +71,18 @@ class AlgorithmConfig:
 class RolloutCorrectionConfig:
     """Train-vs-rollout mismatch handling (the sampling engine's log-probs vs the trainer's)."""
 
-    rollout_is: Literal["token", "sequence"] | None = None
-    """Importance weights exp(old_log_probs - rollout_log_probs) per token, or per sequence
-    (product over its tokens); None = off."""
+    rollout_is: Literal["token", "sequence", "geometric"] | None = None
+    """Importance weights exp(old_log_probs - rollout_log_probs) per token, per sequence (the
+    product over its tokens) or per sequence as their geometric mean (exp of the length-normalised
+    log-ratio sum); None = off. verl 0.6.1+ ``rollout_is`` (token, sequence); geometric is verl
+    0.6.0's ``rollout_is_level: geometric`` (later verl keeps it for rejection sampling only)."""
     rollout_is_threshold: float = 2.0
-    """Truncate weights above this (TIS)."""
+    """Upper bound of the weights: truncated to it (TIS) or masked above it (MIS)."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: min(w, threshold) (TIS, verl's only mode since 0.6.1); mask: w = 0 outside
+    [rollout_is_threshold_lower, rollout_is_threshold] (verl 0.6.0's ``rollout_is_mode``)."""
+    rollout_is_threshold_lower: float | None = None
+    """Lower bound of mask mode; None = 1 / rollout_is_threshold (verl's default)."""
     use_rollout_kl_loss: bool = False
     """Add a penalty on current-vs-rollout log-prob drift (SkyRL's rollout KL loss)."""
     rollout_kl_loss_coef: float = 0.001
@@ -95,6 +102,10 @@ class DistillConfig:
 class ActorConfig:
     loss_mode: str = "vanilla"
     """Policy loss: vanilla (PPO clip, asymmetric + dual clip), gspo, cispo."""
+    gspo_gradient: Literal["per-token", "sequence"] = "per-token"
+    """gspo: GSPO-token's gradient (each token's term differentiates its own log-prob: verl,
+    rlaudit) or GSPO's sequence-level one (through the sequence mean: slime, TRL; a declarable
+    convention). Same values either way."""
     loss_agg_mode: str = "token-mean"
     """token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     loss_scale_factor: float | None = None
@@ -131,6 +142,11 @@ class ActorConfig:
     """Token budget (prompt + response tokens) of one micro-batch when use_dynamic_bsz."""
     ppo_epochs: int = 1
     shuffle: bool = False
+    context_parallel_size: int = 1
+    """Context-parallel ranks each sequence's tokens are divided over in the actor update (verl:
+    ``actor.megatron.context_parallel_size``). rlaudit's backends simulate the CP group in the
+    shared update step (load-balanced 2*cp chunk split, partial gradients summed over the group,
+    rlaudit/update/context_parallel.py); the result must not depend on it."""
     grad_clip: float = 1.0
     """Clip the global grad norm to this; <= 0 disables clipping (the norm is still logged)."""
     logprob_chunk_size: int = 256
@@ -355,7 +371,7 @@ def load_config(data: Mapping[str, Any] | None, *, source: str | None = None,
 
 
 def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> None:
-    """Range checks and registry names. Registries are imported here, lazily, so that reading a
+    """Range checks and registry names. The names come from rlaudit.catalogue, so that reading a
     config needs no torch."""
     def bad(key, msg):
         raise InputError(msg, source=source, key=f"{prefix}{key}")
@@ -366,6 +382,7 @@ def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> Non
                    ("actor.ppo_epochs", act.ppo_epochs),
                    ("actor.ppo_max_token_len_per_gpu", act.ppo_max_token_len_per_gpu),
                    ("actor.logprob_chunk_size", act.logprob_chunk_size),
+                   ("actor.context_parallel_size", act.context_parallel_size),
                    ("critic.ppo_micro_batch_size_per_gpu", cfg.critic.ppo_micro_batch_size_per_gpu),
                    ("critic.ppo_epochs", cfg.critic.ppo_epochs),
                    ("rollout.n", cfg.rollout.n), ("rollout.response_length", cfg.rollout.response_length),
@@ -387,12 +404,22 @@ def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> Non
             bad(key, f"must be >= 0, got {v}")
     if act.loss_scale_factor is not None and act.loss_scale_factor <= 0:
         bad("actor.loss_scale_factor", f"must be > 0, got {act.loss_scale_factor}")
+    rc = act.rollout_correction
+    if rc.rollout_is_threshold <= 0:
+        bad("actor.rollout_correction.rollout_is_threshold",
+            f"must be > 0, got {rc.rollout_is_threshold}")
+    if rc.rollout_is_threshold_lower is not None and not (
+            0 < rc.rollout_is_threshold_lower <= rc.rollout_is_threshold):
+        bad("actor.rollout_correction.rollout_is_threshold_lower",
+            f"must be in (0, rollout_is_threshold = {rc.rollout_is_threshold}], got "
+            f"{rc.rollout_is_threshold_lower}")
     if a.gamma < 0 or a.gamma > 1 or a.lam < 0 or a.lam > 1:
         bad("algorithm.gamma", "gamma and lam must be in [0, 1]")
     if cfg.data.gen_batch_size is not None and cfg.data.gen_batch_size < cfg.data.train_batch_size:
         bad("data.gen_batch_size", "must be >= data.train_batch_size")
 
-    from rlaudit.algo import names  # lazy: pulls in torch
+    from rlaudit import catalogue  # the registries' names, cached: no torch import here
+    names = catalogue.algo_names()
     checks = (
         ("algorithm.adv_estimator", a.adv_estimator, names.ADV_ESTIMATORS),
         ("algorithm.kl_penalty", a.kl_penalty, names.KL_ESTIMATORS),

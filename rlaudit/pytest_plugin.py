@@ -10,6 +10,9 @@ A YAML file is collected when it has a top-level ``invariants`` key (a scenario)
 ``scenarios/<file>.yaml::<scenario>[<backend>]``. An item runs the scenario on its backend (plus
 the reference backend, which parity checks compare against) and fails with the invariant table.
 
+Multi-rank replays in a session (scenario items and any test calling a backend) reuse warm rank
+pools, one set per xdist worker (``--rlaudit-fresh-ranks`` spawns per replay instead).
+
 Kept import-light: nothing heavy is imported until a scenario file is collected.
 """
 
@@ -31,10 +34,36 @@ def pytest_addoption(parser):
     group.addoption("--rlaudit-require-golden", action="store_true",
                     help="an item without a golden to compare against fails (default: it passes "
                          "on its invariants)")
+    group.addoption("--rlaudit-fresh-ranks", action="store_true",
+                    help="spawn a process group for every multi-rank replay instead of reusing "
+                         "the session's warm rank pools")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "rlaudit_scenario: an rlaudit scenario item")
+
+
+def pytest_sessionstart(session):
+    """Warm rank pools for the session (one set per xdist worker): multi-rank replays reuse a
+    group per backend and world size instead of spawning one each (the pools are created on
+    first use, so a session without multi-rank replays spawns nothing)."""
+    if session.config.getoption("rlaudit_fresh_ranks"):
+        return
+    from rlaudit.backends.launch.pool import warm_pools
+
+    block = warm_pools()
+    block.__enter__()
+    session.config.stash[_POOLS] = block
+
+
+def pytest_sessionfinish(session, exitstatus):
+    block = session.config.stash.get(_POOLS, None)
+    if block is not None:
+        del session.config.stash[_POOLS]
+        block.__exit__(None, None, None)
+
+
+_POOLS = pytest.StashKey()
 
 
 def _is_scenario(path: Path, root: Path | None = None) -> bool:

@@ -25,7 +25,7 @@ METRICS = {"pg_loss": "actor/pg_loss", "pg_clipfrac": "actor/pg_clipfrac",
            "entropy": "actor/entropy", "kl_loss": "actor/kl_loss", "kl_coef": "actor/kl_coef",
            "loss": "actor/loss", "grad_norm": "actor/grad_norm", "lr": "actor/lr",
            "rollout_kl": "rollout/kl", "score_mean": "critic/score/mean",
-           "adv_mean": "critic/advantages/mean"}
+           "adv_mean": "critic/advantages/mean", "is_weight_mean": "rollout_corr/is_weight_mean"}
 #: ToyTrainer's layout fields, rebuilt by from_toy; every other field passes through unchanged
 LAYOUT = ("input_ids", "attention_mask", "position_ids", "responses", "index")
 PAD_INDEX = "__pad__"
@@ -87,7 +87,12 @@ def toy_config(config, rows: int) -> toy.ToyConfig:
         micro_batch_rows=a.ppo_micro_batch_size_per_gpu,
         max_tokens_per_micro=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
         padding_micros=config.trainer.extra_padding_microbatches, epochs=a.ppo_epochs,
-        grad_clip=a.grad_clip, temperature=config.rollout.temperature)
+        grad_clip=a.grad_clip, temperature=config.rollout.temperature,
+        rollout_is=a.rollout_correction.rollout_is,
+        rollout_is_threshold=a.rollout_correction.rollout_is_threshold,
+        rollout_is_mode=a.rollout_correction.rollout_is_mode,
+        rollout_is_threshold_lower=a.rollout_correction.rollout_is_threshold_lower,
+        cp_size=a.context_parallel_size)
 
 
 @functools.lru_cache(maxsize=4)
@@ -110,6 +115,7 @@ class ToyAdapter(TargetAdapter):
     kl_estimators = ("kl", "low_var_kl")
     loss_modes = ("vanilla",)
     metric_names = tuple(METRICS.values())    # parity expects these whenever rlaudit logs them
+    layout = {"cp": 2}                        # ToyTrainer can split sequences over 2 CP ranks
     trainer_class = toy.ToyTrainer            # tests swap in broken trainers
 
     def supports(self, config):
@@ -120,7 +126,7 @@ class ToyAdapter(TargetAdapter):
             f"kl_loss_type {a.kl_loss_type}": a.use_kl_loss and a.kl_loss_type not in
             self.kl_estimators, f"kl_penalty {alg.kl_penalty}": alg.use_kl_in_reward
             and alg.kl_penalty not in self.kl_estimators,
-            "rollout correction": rc.rollout_is is not None or rc.use_rollout_kl_loss,
+            "rollout KL loss": rc.use_rollout_kl_loss,
             "distillation": a.distill.enable, "shuffle": a.shuffle,
             "overlong buffer": config.reward.overlong_buffer.enable,
         }
@@ -160,13 +166,14 @@ class ToyAdapter(TargetAdapter):
                                    cfg, self._counts(response_mask, denominators))
         return loss, {METRICS[k]: v for k, v in stats.items()}
 
-    def make_microbatches(self, batch, *, dp_size, micro_batch_size=None, max_token_len=None):
+    def make_microbatches(self, batch, *, dp_size, micro_batch_size=None, max_token_len=None,
+                          extra_padding=0):
         data = to_toy(batch)
         n = len(data["index"]) // dp_size
         shards = [toy.take(data, list(range(r * n, (r + 1) * n))) for r in range(dp_size)]
         ranks = [toy.split_micro_batches(s, rows=micro_batch_size, max_tokens=max_token_len)
                  for s in shards]
-        most = max(len(r) for r in ranks)
+        most = max(len(r) for r in ranks) + extra_padding
         ranks = [r + [toy.padding_micro_batch(s) for _ in range(most - len(r))]
                  for r, s in zip(ranks, shards)]
         return [[from_toy(mb) for mb in r] for r in ranks]
@@ -204,7 +211,8 @@ class ToyAdapter(TargetAdapter):
                 out.log_probs, out.entropy = derived["old_log_probs"], derived["entropy"]
                 out.tokens = {k: derived[k] for k in ("old_log_probs", "ref_log_probs", "kl",
                                                       "token_level_scores",
-                                                      "token_level_rewards", "advantages")
+                                                      "token_level_rewards", "advantages",
+                                                      "rollout_is_weights")
                               if k in derived}
             out.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
             out.microbatches.append([[[from_toy(mb) for mb in micros]

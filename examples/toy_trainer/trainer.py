@@ -52,6 +52,11 @@ class ToyConfig:
     epochs: int = 1
     grad_clip: float = 1.0
     temperature: float = 1.0
+    rollout_is: str | None = None       # token | sequence | geometric: importance weights
+    rollout_is_threshold: float = 2.0   # pi_train / pi_rollout of the sampler's log-probs
+    rollout_is_mode: str = "truncate"   # truncate (cap) | mask (0 outside [lower, threshold])
+    rollout_is_threshold_lower: float | None = None
+    cp_size: int = 1                    # context-parallel ranks each sequence is split over
 
 
 # ---- algorithms --------------------------------------------------------------------------------
@@ -82,13 +87,36 @@ def kl_penalty(logp, ref_logp, kind):
     raise NotImplementedError(f"kl penalty {kind}")
 
 
-def aggregate(loss_mat, mask, mode, *, num_tokens, num_seqs, norm_len):
+def importance_weights(old_logp, rollout_logp, mask, cfg):
+    """Rollout importance weights (verl's rollout correction): per token exp(old - rollout), per
+    sequence the product of a row's token ratios, or their geometric mean; capped at the
+    threshold (truncate) or zeroed outside [lower, threshold] (mask); 0 past the response."""
+    log_ratio = (old_logp - rollout_logp) * mask
+    if cfg.rollout_is == "token":
+        log_w = log_ratio
+    else:
+        row = log_ratio.sum(-1, keepdim=True)
+        if cfg.rollout_is == "geometric":
+            row = row / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_w = row.expand_as(log_ratio)
+    w = torch.exp(log_w.clamp(-20, 20))
+    if cfg.rollout_is_mode == "truncate":
+        w = w.clamp(max=cfg.rollout_is_threshold)
+    else:
+        lower = cfg.rollout_is_threshold_lower or 1.0 / cfg.rollout_is_threshold
+        w = w * ((w >= lower) & (w <= cfg.rollout_is_threshold))
+    return w * mask
+
+
+def aggregate(loss_mat, mask, mode, *, num_tokens, num_seqs, norm_len, row_tokens=None):
     """Sum this micro-batch's share and divide by the *mini-batch's* counts (so the micro-batch
-    results add up to the mini-batch value)."""
+    results add up to the mini-batch value). ``row_tokens``: each row's token count when
+    ``mask`` holds only part of the row (a context-parallel rank's share)."""
     if mode == "token-mean":
         return (loss_mat * mask).sum() / max(num_tokens, 1)
     if mode == "seq-mean-token-mean":
-        per_row = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        n = mask.sum(-1) if row_tokens is None else row_tokens
+        per_row = (loss_mat * mask).sum(-1) / n.clamp(min=1)
         return per_row.sum() / max(num_seqs, 1)
     row_sums = (loss_mat * mask).sum()
     if mode == "seq-mean-token-sum":
@@ -98,9 +126,10 @@ def aggregate(loss_mat, mask, mode, *, num_tokens, num_seqs, norm_len):
     raise NotImplementedError(f"loss_agg_mode {mode}")
 
 
-def ppo_loss(old_logp, logp, advantages, mask, cfg, counts):
-    """Dual-clip PPO per token; returns (aggregated loss, {clipfrac, clipfrac_lower, ppo_kl}) with
-    the metrics as this micro-batch's share of token-means over the mini-batch."""
+def ppo_loss(old_logp, logp, advantages, mask, cfg, counts, weights=None):
+    """Dual-clip PPO per token (times the rollout importance weights, if given); returns
+    (aggregated loss, {clipfrac, clipfrac_lower, ppo_kl}) with the metrics as this micro-batch's
+    share of token-means over the mini-batch."""
     log_ratio = (logp - old_logp).clamp(-20, 20)
     ratio = torch.exp(log_ratio)
     l1 = -advantages * ratio
@@ -108,13 +137,30 @@ def ppo_loss(old_logp, logp, advantages, mask, cfg, counts):
     clipped = torch.maximum(l1, l2)
     dual = torch.minimum(clipped, -advantages * cfg.clip_c)
     loss_mat = torch.where(advantages < 0, dual, clipped)
+    if weights is not None:
+        loss_mat = loss_mat * weights
     n_tok = max(counts["tokens"], 1)
     stats = {"pg_clipfrac": ((l2 > l1).double() * mask).sum() / n_tok,
              "pg_clipfrac_lower": (((clipped > -advantages * cfg.clip_c) & (advantages < 0))
                                    .double() * mask).sum() / n_tok,
              "ppo_kl": (-log_ratio.detach() * mask).sum() / n_tok}
     return aggregate(loss_mat, mask, cfg.loss_agg_mode, num_tokens=counts["tokens"],
-                     num_seqs=counts["seqs"], norm_len=counts["norm_len"]), stats
+                     num_seqs=counts["seqs"], norm_len=counts["norm_len"],
+                     row_tokens=counts.get("row_tokens")), stats
+
+
+def cp_ranks(data, cp):
+    """``[b, R]``: the context-parallel rank holding each response token's logit. Each row's
+    tokens (prompt + response, without padding) are padded to a multiple of 2 * cp and cut into
+    2 * cp chunks; rank r holds chunks r and 2 * cp - 1 - r (the load-balanced split of Megatron
+    and verl). Response token t is predicted at position prompt_length - 1 + t."""
+    width = data["responses"].shape[1]
+    attn = data["attention_mask"]
+    prompt_len = attn[:, :-width].sum(-1, keepdim=True)
+    length = attn.sum(-1, keepdim=True)
+    chunk_len = ((length + 2 * cp - 1) // (2 * cp)).clamp(min=1)
+    chunk = (prompt_len - 1 + torch.arange(width).unsqueeze(0)) // chunk_len
+    return torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
 
 
 # ---- batching ----------------------------------------------------------------------------------
@@ -228,6 +274,10 @@ class ToyTrainer:
             data["token_level_rewards"] = data["token_level_scores"]
         data["advantages"] = grpo_advantages(data["token_level_rewards"], mask, data["index"],
                                              cfg.norm_adv_by_std)
+        if cfg.rollout_is is not None:
+            data["rollout_is_weights"] = self.importance_weights(data)
+            metrics["is_weight_mean"] = float((data["rollout_is_weights"] * mask).sum()
+                                              / mask.sum().clamp(min=1))
         metrics.update(self.update(data))
         metrics["score_mean"] = float(data["token_level_scores"].sum(-1).mean())
         metrics["adv_mean"] = float((data["advantages"] * mask).sum() / mask.sum().clamp(min=1))
@@ -264,6 +314,10 @@ class ToyTrainer:
         return {k: sum(v) / len(v) for k, v in per_step.items()}
 
     # ---- policies a trainer might change --------------------------------------------------------
+    def importance_weights(self, data):
+        return importance_weights(data["old_log_probs"], data["rollout_log_probs"],
+                                  data["response_mask"], self.cfg)
+
     def wants_entropy(self):
         """Entropy is computed (and logged) when it is asked for or when it is in the loss."""
         return self.cfg.calculate_entropy or self.cfg.entropy_coeff != 0
@@ -278,23 +332,57 @@ class ToyTrainer:
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def micro_step(self, mb, counts, with_entropy):
-        cfg, mask = self.cfg, mb["response_mask"]
         logp, ent = self.forward(self.model, mb, with_entropy)
-        loss, stats = ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mask, cfg, counts)
+        if self.cfg.cp_size == 1:
+            loss, stats = self.loss_terms(mb, logp, ent, mb["response_mask"], counts,
+                                          with_entropy)
+        else:
+            loss, stats = self.context_parallel_loss(mb, logp, ent, counts, with_entropy)
+        loss.backward()
+        return stats
+
+    def loss_terms(self, mb, logp, ent, mask, counts, with_entropy):
+        """The loss of the tokens under ``mask`` and its metrics (shares of mini-batch values)."""
+        cfg = self.cfg
+        agg = dict(num_tokens=counts["tokens"], num_seqs=counts["seqs"],
+                   norm_len=counts["norm_len"], row_tokens=counts.get("row_tokens"))
+        loss, stats = ppo_loss(mb["old_log_probs"], logp, mb["advantages"], mask, cfg, counts,
+                               mb.get("rollout_is_weights"))
         stats["pg_loss"] = loss.detach()
         if with_entropy:
-            entropy = aggregate(ent, mask, cfg.loss_agg_mode, num_tokens=counts["tokens"],
-                                num_seqs=counts["seqs"], norm_len=counts["norm_len"])
+            entropy = aggregate(ent, mask, cfg.loss_agg_mode, **agg)
             stats["entropy"] = entropy.detach()
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * entropy
         if cfg.use_kl_loss:
             ref = torch.where(mask > 0, mb["ref_log_probs"], logp.detach())
             kl = aggregate(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode,
-                           num_tokens=counts["tokens"], num_seqs=counts["seqs"],
-                           norm_len=counts["norm_len"])
+                           **agg)
             stats["kl_loss"] = kl.detach()
-            loss = loss + cfg.kl_loss_coef * kl
+            loss = self.with_kl_penalty(loss, kl)
         stats["loss"] = loss.detach()
-        loss.backward()
-        return stats
+        return loss, stats
+
+    def context_parallel_loss(self, mb, logp, ent, counts, with_entropy):
+        """Megatron-style context parallelism, simulated: each CP rank sums the loss terms of the
+        response tokens it holds (divided by the mini-batch's counts; a row's token count is the
+        whole row's), and the CP group all-reduces the partial losses and metrics."""
+        cp, mask = self.cfg.cp_size, mb["response_mask"]
+        ranks = cp_ranks(mb, cp)
+        counts = {**counts, "row_tokens": mask.sum(-1)}
+        parts = [self.loss_terms(mb, logp, ent, mask * (ranks == r), counts, with_entropy)
+                 for r in range(cp)]
+        loss = self.cp_all_reduce([p[0] for p in parts])
+        stats = {k: self.cp_all_reduce_metric([p[1][k] for p in parts]) for k in parts[0][1]}
+        return loss, stats
+
+    def with_kl_penalty(self, loss, kl):
+        """The KL loss term pulls the policy towards the reference: added, times its coef."""
+        return loss + self.cfg.kl_loss_coef * kl
+
+    def cp_all_reduce(self, partial_losses):
+        """Sum over the CP group (the gradient of each rank's share adds up)."""
+        return sum(partial_losses[1:], partial_losses[0])
+
+    def cp_all_reduce_metric(self, partial_values):
+        return sum(partial_values[1:], partial_values[0])

@@ -8,6 +8,12 @@ tensors; the caller aggregates ``loss_mat`` with :func:`rlaudit.algo.agg.agg_los
 Names are verl's (``actor.policy_loss.loss_mode``). GRPO and DAPO use "vanilla": they differ in
 config (symmetric vs. decoupled ``clip_ratio_low/high``), not in code.
 
+GSPO's gradient comes in two forms (``gspo_gradient``, a declarable convention): GSPO-token's
+(``"per-token"``, verl's and rlaudit's: each token's term differentiates its own log-prob) and
+GSPO's sequence-level one (``"sequence"``, slime's and TRL's: the gradient flows through the
+sequence mean, so each token's term moves every token of its row). Values are the same; so are
+the gradients when a row's advantages are equal (outcome advantages).
+
 Masked positions (``mask`` False/0) never matter: inputs there are replaced (``torch.where``)
 before any arithmetic, so NaN/inf in them reach neither values nor gradients. Outputs there are
 0 (``loss_mat``, ``ppo_kl_mat``), 1 (``ratio``) and False (flags).
@@ -24,7 +30,10 @@ from rlaudit.algo.agg import bool_mask
 from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
-__all__ = ["POLICY_LOSSES", "PolicyLossOutput", "compute_policy_loss"]
+__all__ = ["GSPO_GRADIENTS", "POLICY_LOSSES", "PolicyLossOutput", "compute_policy_loss"]
+
+#: how GSPO's sequence ratio is differentiated: GSPO-token's per-token form, or through the mean
+GSPO_GRADIENTS = ("per-token", "sequence")
 
 #: The log-ratio log(pi/pi_old) is clamped to [-20, 20] before exp(): exp(20) ~ 4.9e8 is finite
 #: in float32, so a token whose log-prob moved absurdly cannot make the loss inf (verl's bound).
@@ -64,6 +73,7 @@ class _Inputs:
     low: float
     high: float
     c: float
+    gspo_gradient: str = "per-token"
 
 
 PolicyLossFn = Callable[[_Inputs], PolicyLossOutput]
@@ -114,13 +124,18 @@ def _gspo(x: _Inputs) -> PolicyLossOutput:
     ``s_i = exp(mean_{valid t} (logp - old))`` is given to every token of row i as
     ``sg[s_i] * pi / sg[pi]`` (value ``s_i``, gradient ``s_i * d logp_t``), then PPO-clipped
     with ``(1-low, 1+high)``. The mean's denominator is the row's valid tokens (1 if none).
-    No dual clip."""
+    No dual clip. With ``gspo_gradient="sequence"`` (GSPO, eq. 7) every token of row i gets
+    ``s_i`` itself, differentiated through the mean: gradient ``s_i * d logp_t' / n_i`` for
+    every valid ``t'`` of the row."""
     m = x.mask
     n_i = m.sum(dim=-1).clamp(min=1).to(x.logp.dtype)
     seq_log_ratio = (x.logp - x.old).sum(dim=-1) / n_i     # masked entries are 0 - 0
-    # The detached sequence term is added last (verl#2775: adding a large term to a small
-    # difference first loses precision).
-    log_s = (x.logp - x.logp.detach() + seq_log_ratio.detach().unsqueeze(-1))
+    if x.gspo_gradient == "sequence":
+        log_s = seq_log_ratio.unsqueeze(-1).expand_as(x.logp)
+    else:
+        # The detached sequence term is added last (verl#2775: adding a large term to a small
+        # difference first loses precision).
+        log_s = (x.logp - x.logp.detach() + seq_log_ratio.detach().unsqueeze(-1))
     log_s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_s)
     loss, clipped = _clipped_surrogate(x.adv, ratio, x.low, x.high)
@@ -149,7 +164,8 @@ def _check(name: str, t: torch.Tensor, shape: torch.Size | None) -> None:
 
 def compute_policy_loss(name: str, *, old_log_prob: torch.Tensor, log_prob: torch.Tensor,
                         advantages: torch.Tensor, mask: torch.Tensor, clip_ratio_low: float,
-                        clip_ratio_high: float, clip_ratio_c: float) -> PolicyLossOutput:
+                        clip_ratio_high: float, clip_ratio_c: float,
+                        gspo_gradient: str = "per-token") -> PolicyLossOutput:
     """Per-token policy loss ``name`` (a key of :data:`POLICY_LOSSES`).
 
     Args:
@@ -160,6 +176,7 @@ def compute_policy_loss(name: str, *, old_log_prob: torch.Tensor, log_prob: torc
         mask: ``[B, R]`` bool or 0/1, True/1 = the token counts (response mask).
         clip_ratio_low / clip_ratio_high: clip epsilons, ratio kept in ``[1-low, 1+high]``.
         clip_ratio_c: dual-clip bound (> 1), vanilla only.
+        gspo_gradient: :data:`GSPO_GRADIENTS`, gspo only (see the module docstring).
     Returns:
         :class:`PolicyLossOutput` (no reduction here: every field is ``[B, R]``).
     """
@@ -170,6 +187,9 @@ def compute_policy_loss(name: str, *, old_log_prob: torch.Tensor, log_prob: torc
     for key, v in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high)):
         if not v >= 0:
             raise InputError(f"must be >= 0, got {v!r}", key=key)
+    if gspo_gradient not in GSPO_GRADIENTS:
+        raise InputError(f"expected one of {list(GSPO_GRADIENTS)}, got {gspo_gradient!r}",
+                         key="gspo_gradient")
     if not clip_ratio_c > 1:
         raise InputError(f"dual-clip bound must be > 1, got {clip_ratio_c!r}", key="clip_ratio_c")
     m = bool_mask(mask, log_prob.shape)
@@ -178,5 +198,6 @@ def compute_policy_loss(name: str, *, old_log_prob: torch.Tensor, log_prob: torc
         old=torch.where(m, old_log_prob.to(log_prob.dtype), zero),
         logp=torch.where(m, log_prob, zero),
         adv=torch.where(m, advantages.to(log_prob.dtype), zero),
-        mask=m, low=float(clip_ratio_low), high=float(clip_ratio_high), c=float(clip_ratio_c))
+        mask=m, low=float(clip_ratio_low), high=float(clip_ratio_high), c=float(clip_ratio_c),
+        gspo_gradient=gspo_gradient)
     return fn(x)

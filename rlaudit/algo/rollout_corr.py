@@ -1,8 +1,10 @@
 """Rollout correction: the sampling engine (e.g. vLLM) and the trainer compute slightly different
 log-probs for the same tokens. This module measures and corrects that mismatch.
 
-- :func:`rollout_is_weights`: truncated importance weights (TIS) ``pi_train / pi_rollout`` per
-  token or per sequence, multiplied into the policy loss.
+- :func:`rollout_is_weights`: importance weights ``pi_train / pi_rollout`` per token, per
+  sequence (product of token ratios) or per sequence as a geometric mean, truncated (TIS) or
+  masked (MIS) at thresholds, multiplied into the policy loss (verl's rollout correction; the
+  names are verl's, see :data:`LEVELS`).
 - :func:`rollout_kl_loss_mat`: a penalty on current-vs-rollout drift (SkyRL PR #1811's rollout KL
   loss; ``k2`` = 0.5 * (log_prob - rollout_log_prob)^2 by default).
 - :func:`mismatch_metrics`, :func:`is_metrics`: the catalogued ``rollout_corr/*`` metrics.
@@ -14,8 +16,6 @@ token counts. Values under mask 0 are never read (NaN/inf there does not leak).
 from __future__ import annotations
 
 import math
-from typing import Literal
-
 import torch
 
 from rlaudit.algo.agg import bool_mask, masked_max, masked_mean
@@ -23,9 +23,16 @@ from rlaudit.algo.kl import k3_of_log_ratio, kl_penalty
 from rlaudit.errors import InputError
 
 MAX_LOG_RATIO = 20.0
-"""Clamp log importance ratios before exp() so a large mismatch cannot overflow (e^20 ~ 4.9e8)."""
+"""Clamp log importance ratios to [-20, 20] before exp() so a large mismatch cannot overflow
+(e^20 ~ 4.9e8) or underflow (verl's SAFETY_BOUND)."""
 
-LEVELS = ("token", "sequence")
+LEVELS = ("token", "sequence", "geometric")
+"""Aggregation levels of the IS weight, by verl's names (``rollout_is`` in verl 0.6.1+, which
+keeps token and sequence; ``rollout_is_level`` in verl 0.6.0, which also had geometric)."""
+MODES = ("truncate", "mask")
+"""What a weight outside the thresholds becomes: ``truncate`` (TIS): capped at the upper
+threshold; ``mask`` (MIS, verl 0.6.0's ``rollout_is_mode: mask``): 0 when outside
+``[lower, upper]``."""
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
@@ -39,48 +46,86 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> Non
                          key=names[1])
 
 
-def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                       mask: torch.Tensor, *, level: Literal["token", "sequence"],
-                       threshold: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated rollout importance weights.
+def is_log_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                   mask: torch.Tensor, *, level: str) -> torch.Tensor:
+    """Log importance weight of every valid token, before clamping or thresholds: [B, R].
 
-    ``level="token"``: ``w[i, t] = exp(old[i, t] - rollout[i, t])``.
-    ``level="sequence"``: ``w[i, t] = exp(sum over row i's mask-1 tokens of (old - rollout))``,
-    the same for every mask-1 token of the row.
-    The log-ratio is clamped at :data:`MAX_LOG_RATIO` before exp (no overflow); weights above
-    ``threshold`` are truncated to ``threshold`` (TIS). ``threshold=None`` = no truncation.
-
-    Args:
-        old_log_probs: [B, R] trainer log-probs of the sampled tokens (before the update).
-        rollout_log_probs: [B, R] the sampling engine's log-probs of the same tokens.
-        mask: [B, R] bool or 0/1.
-
-    Returns:
-        ``(weights, truncated)``: weights [B, R] (detached, dtype of ``old_log_probs``, 0 where
-        mask is 0; exactly 1 where the log-probs agree); truncated [B, R] bool, True on mask-1
-        tokens whose (token's or sequence's) weight exceeded ``threshold``.
+    With ``d[i, t] = old[i, t] - rollout[i, t]`` on mask-1 tokens and ``n_i`` row i's mask-1
+    tokens: ``token``: ``d[i, t]``; ``sequence``: ``sum_t d[i, t]`` (log of the product of the
+    token ratios, the same for every token of the row); ``geometric``: ``sum_t d[i, t] / n_i``
+    (log of their geometric mean: the length-normalised log-ratio). 0 where mask is 0.
     """
     _check_pair(old_log_probs, rollout_log_probs, ("old_log_probs", "rollout_log_probs"))
     m = bool_mask(mask, old_log_probs.shape)
     if level not in LEVELS:
         raise InputError(f"expected one of {', '.join(LEVELS)}, got {level!r}",
                          key="actor.rollout_correction.rollout_is")
+    d = torch.where(m, old_log_probs.detach() - rollout_log_probs.detach(), 0.0)
+    if level == "token":
+        return d
+    row = d.sum(-1, keepdim=True)
+    if level == "geometric":
+        row = row / m.sum(-1, keepdim=True).clamp(min=1).to(d.dtype)
+    return torch.where(m, row, 0.0)
+
+
+def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                       mask: torch.Tensor, *, level: str, threshold: float | None,
+                       mode: str = "truncate", threshold_lower: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout importance weights ``pi_train / pi_rollout``, truncated (TIS) or masked (MIS).
+
+    ``w = exp(clamp(is_log_weights(...), -MAX_LOG_RATIO, MAX_LOG_RATIO))`` per token at
+    ``level`` (token; sequence = product of the row's token ratios; geometric = their geometric
+    mean), then, unless ``threshold`` is None:
+    ``mode="truncate"``: ``min(w, threshold)``; ``mode="mask"``: 0 where ``w > threshold`` or
+    ``w < threshold_lower`` (default ``1 / threshold``), as verl does.
+
+    Args:
+        old_log_probs: [B, R] trainer log-probs of the sampled tokens (before the update).
+        rollout_log_probs: [B, R] the sampling engine's log-probs of the same tokens.
+        mask: [B, R] bool or 0/1; True = the token counts.
+        level: one of :data:`LEVELS`.
+        threshold: upper bound (> 0) or None (no bound; ``mode="mask"`` then needs one).
+        mode: one of :data:`MODES`.
+        threshold_lower: lower bound of ``mode="mask"`` (0 < lower <= threshold).
+
+    Returns:
+        ``(weights, outside)``: weights [B, R] (detached, dtype of ``old_log_probs``, 0 where mask
+        is 0; exactly 1 where the log-probs agree); outside [B, R] bool, True on mask-1 tokens
+        whose (token's or row's) weight was outside the bounds (truncated or masked).
+    """
+    if mode not in MODES:
+        raise InputError(f"expected one of {', '.join(MODES)}, got {mode!r}",
+                         key="actor.rollout_correction.rollout_is_mode")
     if threshold is not None and not float(threshold) > 0:
         raise InputError(f"expected a threshold > 0, got {threshold}",
                          key="actor.rollout_correction.rollout_is_threshold")
+    if mode == "mask" and threshold is None:
+        raise InputError("rollout_is_mode mask needs a rollout_is_threshold",
+                         key="actor.rollout_correction.rollout_is_threshold")
+    lower = None
+    if mode == "mask":
+        lower = 1.0 / float(threshold) if threshold_lower is None else float(threshold_lower)
+        if not 0 < lower <= float(threshold):
+            raise InputError(f"expected 0 < threshold_lower <= threshold ({threshold}), got "
+                             f"{threshold_lower}",
+                             key="actor.rollout_correction.rollout_is_threshold_lower")
     with torch.no_grad():
-        log_ratio = torch.where(m, old_log_probs.detach() - rollout_log_probs.detach(), 0.0)
-        if level == "sequence":
-            log_ratio = torch.where(m, log_ratio.sum(-1, keepdim=True), 0.0)
+        log_w = is_log_weights(old_log_probs, rollout_log_probs, mask, level=level)
+        m = bool_mask(mask, old_log_probs.shape)
         if threshold is None:
-            truncated = torch.zeros_like(m)
+            outside = torch.zeros_like(m)
         else:
-            truncated = m & (log_ratio > math.log(float(threshold)))
-        weights = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
+            outside = m & (log_w > math.log(float(threshold)))
+            if lower is not None:
+                outside = outside | (m & (log_w < math.log(lower)))
+        weights = torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         if threshold is not None:
-            weights = torch.where(truncated, float(threshold), weights)
+            cut = 0.0 if mode == "mask" else float(threshold)
+            weights = torch.where(outside, cut, weights)
         weights = torch.where(m, weights, 0.0)
-    return weights, truncated
+    return weights, outside
 
 
 def rollout_kl_loss_mat(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, kind: str,
@@ -149,10 +194,10 @@ def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
 
 
 def is_metrics(weights: torch.Tensor, truncated: torch.Tensor, mask: torch.Tensor, *,
-               level: Literal["token", "sequence"]) -> dict[str, float]:
+               level: str) -> dict[str, float]:
     """``rollout_corr/is_weight_mean`` (token-mean of ``weights``, denominator N_tok) and
-    ``rollout_corr/is_clipfrac`` (token level: truncated mask-1 tokens / N_tok; sequence level:
-    truncated rows / rows with >= 1 mask-1 token). Inputs as returned by
+    ``rollout_corr/is_clipfrac`` (token level: truncated/masked mask-1 tokens / N_tok; sequence
+    and geometric levels: such rows / rows with >= 1 mask-1 token). Inputs as returned by
     :func:`rollout_is_weights`; 0.0 when nothing is valid."""
     m = bool_mask(mask, weights.shape)
     if tuple(truncated.shape) != tuple(weights.shape) or truncated.dtype != torch.bool:

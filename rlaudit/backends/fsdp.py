@@ -17,7 +17,7 @@ import torch
 
 from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, VariantRun
-from rlaudit.backends.launch import launch
+from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.reference import torch_roles
 from rlaudit.backends.replay import replay_variant
 
@@ -83,8 +83,9 @@ class FSDPBackend:
 
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         dp = int(request.layout.get("dp", 1))
-        per_rank = launch(_rank_main, dp, args=(request,), device=request.device,
-                          timeout=request.timeout)
+        # a warm pool when `rlaudit run` / a pytest session holds one, else a one-shot launch
+        per_rank = run_ranks(_rank_main, dp, pool="fsdp", args=(request,),
+                             device=request.device, timeout=request.timeout)
         runs = per_rank[0]
         for name, run in runs.items():
             # every rank's micro-batch log, step by step (rank order)

@@ -39,17 +39,19 @@ def add_parser(sub) -> None:
 
 def bless(args) -> int:
     from rlaudit.report.console import render_result
+    from rlaudit.backends.launch.pool import warm_pools
     from rlaudit.scenarios.outcome import exit_code, run_isolated
     from rlaudit.scenarios.result import BLESSED, REFUSED
     from rlaudit.scenarios.validate import validate_invocation
     paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
     scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir)
     results = []
-    for scn in scenarios:
-        res = run_isolated(scn, backends=args.backends, golden_dir=args.golden_dir, bless=True,
-                           force=args.force)
-        results.append(res)
-        print(render_result(res), flush=True)
+    with warm_pools():  # one spawn per multi-rank layout for all the scenarios
+        for scn in scenarios:
+            res = run_isolated(scn, backends=args.backends, golden_dir=args.golden_dir,
+                               bless=True, force=args.force)
+            results.append(res)
+            print(render_result(res), flush=True)
     blessed = [r.scenario for r in results if any(g.status == BLESSED for g in r.golden)]
     refused = [r.scenario for r in results if any(g.status == REFUSED for g in r.golden)]
     if blessed:
@@ -70,7 +72,9 @@ def calibrate(args) -> int:
     from rlaudit.scenarios.spec import load_scenario
     (path,) = resolve_scenarios([args.scenario], all_=False, scenarios_dir=args.scenarios_dir)
     scn = load_scenario(path)
-    proposed = calibrate_scenario(scn, runs=args.runs, backends=args.backends)
+    from rlaudit.backends.launch.pool import warm_pools
+    with warm_pools():  # the runs reuse the ranks, each restored to a fresh rank's state
+        proposed = calibrate_scenario(scn, runs=args.runs, backends=args.backends)
     print(json.dumps(proposed, indent=1, sort_keys=True))
     if args.write:
         gp = golden_path(Path(args.golden_dir), scn)

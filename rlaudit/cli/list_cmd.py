@@ -27,19 +27,15 @@ def collect(what: str, scenarios_dir: str) -> dict:
                          "steps": scn.steps, "dtype": scn.dtype, "tags": scn.tags,
                          "description": scn.description})
         out["scenarios"] = rows
+    # from rlaudit.catalogue: cached per source version, so listing imports neither torch nor
+    # megatron (the first call after a change computes and caches them)
+    from rlaudit import catalogue
     if what in ("all", "backends"):
-        from rlaudit.backends.registry import backend_names, get_backend
-        out["backends"] = []
-        for name in backend_names():
-            ok, why = get_backend(name).available()
-            out["backends"].append({"name": name, "available": ok, "why": why})
+        out["backends"] = catalogue.backends()
     if what in ("all", "invariants"):
-        from rlaudit.scenarios.invariants import INVARIANTS
-        out["invariants"] = [{"name": n, "family": INVARIANTS.get(n).family,
-                              "doc": INVARIANTS.get(n).doc} for n in INVARIANTS]
+        out["invariants"] = catalogue.invariant_docs()
     if what in ("all", "algorithms"):
-        from rlaudit.algo.names import ALL
-        out["algorithms"] = {kind: reg.names() for kind, reg in ALL.items()}
+        out["algorithms"] = catalogue.algorithms()
     if what == "metrics":
         from rlaudit.metrics import CATALOGUE
         out["metrics"] = [{"name": s.name, "reduction": s.reduction, "doc": s.doc}

@@ -44,6 +44,14 @@ def add_parser(sub) -> None:
                    help="override every scenario's device (nightly GPU job: cuda)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds a multi-rank backend may take per scenario (default: %(default)s)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="where the scenario x backend jobs run: this machine with warm rank "
+                        "pools, or Ray (placement group per multi-rank job; default: %(default)s)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="join this Ray cluster (--executor ray; default: start a local one)")
+    p.add_argument("--jobs", type=int, default=2, metavar="N",
+                   help="scenarios in flight with the local executor (default: %(default)s: one "
+                        "scenario's in-process work overlaps another's multi-rank replay)")
     p.set_defaults(func=run)
 
 
@@ -59,6 +67,20 @@ def argparse_bless_help() -> str:
 
 
 def run(args) -> int:
+    from rlaudit.backends.launch.pool import warm_pools
+    from rlaudit.cli.quiet import third_party_to_log
+
+    # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
+    log = Path(args.report_dir) / "rlaudit.log"
+    try:
+        with third_party_to_log(log), warm_pools():
+            return _run(args)
+    finally:
+        if log.is_file() and log.stat().st_size:
+            print(f"third-party warnings and logs: {log}", file=sys.stderr)
+
+
+def _run(args) -> int:
     if args.target:
         from rlaudit.scenarios.validate import validate_target
         from rlaudit.targets.runner import run_target
@@ -79,20 +101,27 @@ def run(args) -> int:
         # every input of every scenario, before any runs: exit 2 with all problems, or go
         scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir,
                                         device=args.device)
+        from rlaudit.executors import make_executor
         results = []
+        backends = _with_oracle(args.backends)
+
+        def run_one(scn, replay):
+            # a late failure is this scenario's result: the others run, all are reported
+            return run_isolated(scn, backends=backends, golden_dir=args.golden_dir,
+                                bless=args.bless, force=args.force, timeout=args.timeout,
+                                replay=replay)
+
         try:
-            for scn in scenarios:
-                if not args.json:
-                    print(f"running {scn.name} ...", file=sys.stderr, flush=True)
-                # a late failure is this scenario's result: the others run, all are reported
-                res = run_isolated(scn, backends=_with_oracle(args.backends),
-                                   golden_dir=args.golden_dir, bless=args.bless,
-                                   force=args.force, timeout=args.timeout)
-                results.append(res)
-                if not args.json:
-                    from rlaudit.report.console import render_result
-                    print(render_result(res), flush=True)
-                    print(flush=True)
+            with make_executor(args.executor, scenarios, backends=backends,
+                               progress=not args.json or sys.stderr.isatty(),
+                               ray_address=args.ray_address, jobs=args.jobs) as executor:
+                for scn, res in executor.map(scenarios, run_one):
+                    results.append(res)
+                    if not args.json:
+                        from rlaudit.report.console import render_result
+                        with executor.progress.paused():
+                            print(render_result(res), flush=True)
+                            print(flush=True)
         except KeyboardInterrupt:  # what finished is still reported and logged
             print(f"rlaudit: interrupted after {len(results)} of {len(scenarios)} scenario(s); "
                   "reporting those", file=sys.stderr, flush=True)

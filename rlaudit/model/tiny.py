@@ -15,6 +15,12 @@ can sample decodes. Text always encodes to its UTF-8 bytes (special-token names 
 Write a committed snapshot::
 
     python -m rlaudit.model.tiny --arch qwen2 --out scenarios/models/qwen2-tiny
+
+or a blend of two snapshots of one architecture (a stand-in for an older checkpoint of a trained
+policy: its weights moved part of the way back towards where training started)::
+
+    python -m rlaudit.model.tiny --blend scenarios/models/qwen2-tiny-short \
+        scenarios/models/qwen2-tiny --alpha 0.1 --out scenarios/models/qwen2-tiny-short-stale
 """
 
 from __future__ import annotations
@@ -208,6 +214,42 @@ def save_snapshot(out_dir: str | Path, arch: str, *, seed: int = 0, **overrides:
     return out
 
 
+def save_blend(out_dir: str | Path, start: str | Path, towards: str | Path, alpha: float) -> Path:
+    """Write ``theta = theta_start + alpha * (theta_towards - theta_start)`` (computed in float64,
+    stored in ``start``'s dtypes) with ``start``'s config and tokenizer files to ``out_dir``.
+
+    Both snapshots must have the same parameter names and shapes. ``alpha`` in (0, 1): 0 would be
+    ``start`` itself. ``rlaudit_snapshot.json`` records both sources, alpha and the weights'
+    sha256. Deterministic: the same inputs give identical bytes.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import rlaudit
+
+    start, towards, out = Path(start), Path(towards), Path(out_dir)
+    if not 0 < alpha < 1:
+        raise InputError(f"expected 0 < alpha < 1, got {alpha}", key="alpha")
+    a, b = (load_file(str(p / WEIGHTS_FILE)) for p in (start, towards))
+    if {k: tuple(v.shape) for k, v in a.items()} != {k: tuple(v.shape) for k, v in b.items()}:
+        raise InputError(f"parameter names or shapes differ from {start}", source=str(towards))
+    if out.exists() and not out.is_dir():
+        raise InputError("exists and is not a directory", source=str(out), key="out_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in start.iterdir():
+        if f.is_file() and f.name not in (WEIGHTS_FILE, SNAPSHOT_META):
+            shutil.copyfile(f, out / f.name)
+    blended = {k: (a[k].double() + alpha * (b[k].double() - a[k].double())).to(a[k].dtype)
+               .contiguous() for k in sorted(a)}
+    save_file(blended, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    meta = {"blended_from": start.name, "towards": towards.name, "alpha": alpha,
+            "weights_sha256": file_sha256(out / WEIGHTS_FILE),
+            "rlaudit_version": rlaudit.__version__, "torch_version": torch.__version__}
+    (out / SNAPSHOT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return out
+
+
 # ---- CLI ---------------------------------------------------------------------------------------
 def _parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
@@ -241,13 +283,28 @@ def mean_sample_entropy(model, *, num_tokens: int = 256, seed: int = 0) -> float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlaudit.model.tiny",
                                      description="Write a tiny HF model snapshot (no downloads).")
-    parser.add_argument("--arch", choices=ARCHS, required=True)
+    parser.add_argument("--arch", choices=ARCHS)
     parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--blend", nargs=2, metavar=("START", "TOWARDS"),
+                        help="instead of a new model: START's weights moved --alpha of the way "
+                             "towards TOWARDS's")
+    parser.add_argument("--alpha", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", dest="overrides", action="append", type=_parse_override,
                         default=[], metavar="KEY=VALUE",
                         help="HF config override, e.g. --set num_hidden_layers=4 (JSON values)")
     args = parser.parse_args(argv)
+    if args.blend:
+        try:
+            path = save_blend(args.out, *args.blend, args.alpha)
+        except InputError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return err.exit_code
+        meta = json.loads((path / SNAPSHOT_META).read_text())
+        print(f"wrote {path}: weights sha256 {meta['weights_sha256'][:16]}")
+        return 0
+    if args.arch is None:
+        parser.error("--arch is required (or --blend START TOWARDS)")
     try:
         path = save_snapshot(args.out, args.arch, seed=args.seed, **dict(args.overrides))
     except InputError as err:

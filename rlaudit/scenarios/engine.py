@@ -48,27 +48,39 @@ def check_sampling_matches(scn: Scenario, batch) -> None:
                          f"to {sampled}", source=str(scn.path), key="config.rollout.temperature")
 
 
-def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
-                 golden_dir: str | Path | None = None, bless: bool = False,
-                 timeout: float = 900.0, force: bool = False) -> ScenarioResult:
-    """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
-    megatron-core not installed) are reported as n/a for every invariant, never as passed.
-    ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
-    crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
-    left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate)."""
-    t0 = time.perf_counter()
-    batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
-    check_sampling_matches(scn, batch)
+def planned_backends(scn: Scenario, backends: list[str] | None = None
+                     ) -> tuple[list[str], list[str]]:
+    """``(to run, skipped)``: the backends ``run_scenario`` replays and those it reports n/a
+    because the scenario does not lay them out (so ``--all --backend X`` runs X wherever the
+    scenarios configure it). Unknown names are an InputError."""
     names = list(scn.backends) if backends is None else list(backends)
     from rlaudit.backends.registry import backend_names
     for b in names:
         if b not in backend_names():
             raise InputError(f"unknown backend {b!r}; valid: {', '.join(backend_names())}",
                              key="--backend")
-    # a backend the scenario does not lay out is skipped (reported n/a), so --all --backend X
-    # runs X wherever the scenarios configure it
     skipped = [b for b in names if b not in scn.backends and b != "reference"]
-    names = [b for b in names if b not in skipped]
+    return [b for b in names if b not in skipped], skipped
+
+
+def _replay(backend, request: ReplayRequest):
+    return backend.replay(request)
+
+
+def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
+                 golden_dir: str | Path | None = None, bless: bool = False,
+                 timeout: float = 900.0, replay=None, force: bool = False) -> ScenarioResult:
+    """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
+    megatron-core not installed) are reported as n/a for every invariant, never as passed.
+    ``replay(backend, request) -> {variant: VariantRun}`` carries out one backend's replay
+    (default ``backend.replay(request)``; rlaudit.executors pass theirs: progress, Ray).
+    ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
+    crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
+    left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate)."""
+    t0 = time.perf_counter()
+    batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
+    check_sampling_matches(scn, batch)
+    names, skipped = planned_backends(scn, backends)
     variants = replayable_variants(scn, batch)
     res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names + skipped,
                          config=flatten(to_dict(scn.config)),
@@ -90,7 +102,7 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                                 layout=scn.backends.get(b, {}), dtype=scn.dtype, device=scn.device,
                                 timeout=timeout)
         try:
-            runs[b] = backend.replay(request)
+            runs[b] = (replay or _replay)(backend, request)
             res.metrics[b] = runs[b]["base"].steps
         except RlauditError as e:
             if isinstance(e, InputError):

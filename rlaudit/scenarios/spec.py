@@ -200,9 +200,10 @@ def _backends(value: Any, src: str) -> dict[str, dict[str, int]]:
 def _invariants(value: Any, src: str) -> list[str]:
     _expect(isinstance(value, list) and value and all(isinstance(v, str) for v in value),
             "expected a non-empty list of invariant names", src, "invariants")
-    from rlaudit.scenarios.invariants import INVARIANTS
+    from rlaudit import catalogue  # the invariant names without importing them (torch)
+    known = catalogue.invariants()
     for i, name in enumerate(value):
-        INVARIANTS.get(name, source=src, key=f"invariants[{i}]")
+        known.get(name, source=src, key=f"invariants[{i}]")
     return list(dict.fromkeys(value))
 
 

@@ -168,13 +168,18 @@ class AdapterBackend:
 
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         todo = []
+        replay = getattr(self.adapter, "replay", None)
+        declared_cp = int((getattr(self.adapter, "layout", None) or {}).get("cp", 1))
         for v in request.variants:
             ok, why = supports(self.adapter, v.config)
+            if ok and v.config.actor.context_parallel_size > 1 and declared_cp <= 1 \
+                    and not callable(replay):
+                ok, why = False, ("the adapter's layout declares no `cp` (context parallelism; "
+                                  "see docs/targets.md)")
             if ok:
                 todo.append(v)
             else:
                 self.skipped[v.name] = why
-        replay = getattr(self.adapter, "replay", None)
         if callable(replay):
             return replay(dataclasses.replace(request, variants=todo))
         return {v.name: self._run(request, v) for v in todo}
@@ -230,6 +235,9 @@ NEEDS: dict[str, Needs] = {
                            metrics=("actor/loss", "actor/pg_loss")),
     "grad-norm-identity": Needs(params=True, metrics=("actor/grad_norm",)),
     "rollout-parity": Needs(tokens=("probe_log_probs",)),
+    "rollout-correction": Needs(tokens=("probe_log_probs",)),
+    "ppo-epochs-identity": Needs(params=True, metrics=("actor/grad_norm",)),
+    "kl-loss-direction": Needs(metrics=("actor/kl_loss", "actor/grad_norm")),
     "reward-shaping": Needs(tokens=("token_level_scores",)),
     "batch-invariance": Needs(tokens=("probe_log_probs",)),
     "padding-microbatches-complete": Needs(microbatches=True),

@@ -2,8 +2,12 @@
 
 Micro-batching is checked on a 12-row batch with optional fields of every shape kind (a sequence
 field, per-token floats, a ``[B, R, K]`` integer field and a field rlaudit does not know), under
-several layouts: by count and by token budget, dp = 1..4. Under a token budget contiguous shards
-of long and short rows need different numbers of micro-batches, so ranks must be padded.
+several layouts: by count and by token budget, dp = 1..6. Under a token budget contiguous shards
+of long and short rows need different numbers of micro-batches, so ranks must be padded (three
+layouts, padding on different ranks). Cutting by count gives every rank the same number, so two
+count layouts ask for ``extra_padding`` micro-batches per rank (a cutter that takes the argument:
+its padding path, like ``trainer.extra_padding_microbatches`` at run level); a cutter without it
+still runs them, unpadded.
 
 train_step is run on the built-in rollout (:mod:`rlaudit.targets.builtin`) three times: once with
 one step, then once with two, to see whether anything it returned changes afterwards.
@@ -21,8 +25,12 @@ from rlaudit.targets.adapter import accepts, supports
 from rlaudit.targets.checks import StageEnv, Tally, attempt, stage_check
 from rlaudit.targets.guard import AdapterRaised
 
-#: (dp_size, micro_batch_size, max_token_len): exactly one of the last two is set
-LAYOUTS = ((1, 4, None), (4, 2, None), (2, None, 16), (3, None, 12), (2, 3, None))
+#: (dp_size, micro_batch_size, max_token_len, extra_padding): exactly one of micro_batch_size and
+#: max_token_len is set. Padding micro-batches arise at (2, None, 16) on rank 1, (3, None, 12) on
+#: ranks 1-2, (4, None, 11) on ranks 2-3 (token budgets), and on every rank at the two layouts with
+#: extra_padding (count cutters that accept it)
+LAYOUTS = ((1, 4, None, 0), (4, 2, None, 0), (2, 3, None, 1), (6, 4, None, 0), (3, 2, None, 2),
+           (2, None, 16, 0), (3, None, 12, 0), (4, None, 11, 0))
 ROWS = 12
 WIDTH_P, WIDTH_R, TOPK = 4, 6, 3
 
@@ -70,12 +78,14 @@ def _same_mask(got: torch.Tensor, want: torch.Tensor) -> bool:
             and not bool(want[w:].any()))
 
 
-def _layout_label(dp, mbs, tokens) -> str:
-    return f"dp={dp}, " + (f"micro_batch_size={mbs}" if mbs else f"max_token_len={tokens}")
+def _layout_label(dp, mbs, tokens, extra=0) -> str:
+    return (f"dp={dp}, " + (f"micro_batch_size={mbs}" if mbs else f"max_token_len={tokens}")
+            + (f", extra_padding={extra}" if extra else ""))
 
 
-def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens):
-    """The adapter's micro-batches for one layout as per-rank lists of tensor dicts."""
+def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens, extra=0):
+    """The adapter's micro-batches for one layout as per-rank lists of tensor dicts
+    (``extra_padding`` only passed to a cutter that takes it)."""
     kw = {"dp_size": dp}
     if mbs is not None:
         kw["micro_batch_size"] = mbs
@@ -83,7 +93,10 @@ def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens):
         if not accepts(env.adapter.make_microbatches, "max_token_len"):
             raise NotImplementedError("make_microbatches takes no max_token_len")
         kw["max_token_len"] = tokens
-    out, _ = env.call("make_microbatches", batch, label=_layout_label(dp, mbs, tokens), **kw)
+    if extra and accepts(env.adapter.make_microbatches, "extra_padding"):
+        kw["extra_padding"] = extra
+    out, _ = env.call("make_microbatches", batch, label=_layout_label(dp, mbs, tokens, extra),
+                      **kw)
     if not isinstance(out, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in out):
         raise AdapterRaised("make_microbatches", TypeError(
             f"expected a list (per rank) of lists of micro-batches, got {type(out).__name__}"))
@@ -106,9 +119,10 @@ def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens):
 def _layouts(env: StageEnv, check: str, body) -> CheckResult:
     t = env.tally(check)
     batch = microbatch_input()
-    for dp, mbs, tokens in LAYOUTS:
-        label = _layout_label(dp, mbs, tokens)
-        attempt(t, label, lambda: body(t, batch, label, dp, _cut(env, batch, dp, mbs, tokens)))
+    for dp, mbs, tokens, extra in LAYOUTS:
+        label = _layout_label(dp, mbs, tokens, extra)
+        attempt(t, label, lambda: body(t, batch, label, dp,
+                                       _cut(env, batch, dp, mbs, tokens, extra)))
     return t
 
 

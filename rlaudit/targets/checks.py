@@ -516,7 +516,8 @@ def run_stage_checks(adapter: object, *, stages: list[str] | None = None,
                      model_path: str | None = None) -> ScenarioResult:
     """Every registered check, on the stages the adapter provides (``stages`` restricts them),
     as the pseudo-scenario ``"stages"`` with the adapter as its only backend."""
-    from rlaudit.targets import batch_checks, loss_checks  # noqa: F401  (register their checks)
+    from rlaudit.targets import (batch_checks, identity_checks,  # noqa: F401  (register their
+                                 loss_checks)                   # checks)
     t0 = time.perf_counter()
     env = StageEnv(adapter, model_path=model_path)
     name = env.name

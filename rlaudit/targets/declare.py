@@ -101,6 +101,10 @@ CONVENTIONS: dict[str, Convention] = {
         "actor.loss_token_denominator", ("minibatch", "batch-mean"),
         "N_tok of token-mean is the mini-batch's valid tokens, or the training batch's divided "
         "by the number of mini-batches (TRL's dapo); run level only"),
+    "gspo_gradient": Convention(
+        "actor.gspo_gradient", ("per-token", "sequence"),
+        "GSPO's ratio is differentiated per token (GSPO-token: verl, rlaudit) or through the "
+        "sequence mean (GSPO's sequence-level objective: slime, TRL); same values"),
 }
 
 

@@ -63,12 +63,15 @@ def _floats(metrics: dict) -> dict:
 def _oracle_policy(case: Case, loss_mode: str, agg: str, clip, denominators=None,
                    conventions=None):
     """(loss, metrics, gradient) of the reference; under the declared ``conventions`` (a
-    ``seq_count`` of "all-rows" counts every row in N_seq)."""
+    ``seq_count`` of "all-rows" counts every row in N_seq; ``gspo_gradient``)."""
+    conventions = conventions or {}
     kw = _policy_kwargs(case, loss_mode, agg, clip)
-    if denominators is None and (conventions or {}).get("seq_count", "valid-rows") != "valid-rows":
+    if denominators is None and conventions.get("seq_count", "valid-rows") != "valid-rows":
         denominators = Denominators.of(case.mask, norm_len=case.shape[1],
                                        seq_count=conventions["seq_count"])
-    loss, metrics = _ORACLE.policy_loss(**kw, denominators=denominators)
+    loss, metrics = _ORACLE.policy_loss(**kw, denominators=denominators,
+                                        gspo_gradient=conventions.get("gspo_gradient",
+                                                                      "per-token"))
     return loss.detach(), metrics, _grad_of(loss, kw["log_prob"])
 
 

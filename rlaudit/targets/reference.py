@@ -64,14 +64,15 @@ class ReferenceAdapter(TargetAdapter):
 
     def policy_loss(self, *, old_log_prob, log_prob, advantages, response_mask, loss_mode,
                     loss_agg_mode, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-                    denominators=None):
+                    denominators=None, gspo_gradient="per-token"):
         """The actor's policy-gradient term as rlaudit.update.actor assembles it: the loss
         aggregated with ``loss_agg_mode`` and the clip/KL metrics as token-means, all divided by
-        ``denominators`` when given (micro-batch contributions)."""
+        ``denominators`` when given (micro-batch contributions). ``gspo_gradient``: the
+        convention of that name (rlaudit.algo.policy_loss)."""
         pol = compute_policy_loss(loss_mode, old_log_prob=old_log_prob, log_prob=log_prob,
                                   advantages=advantages, mask=response_mask,
                                   clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                  clip_ratio_c=clip_ratio_c)
+                                  clip_ratio_c=clip_ratio_c, gspo_gradient=gspo_gradient)
         loss = agg_loss(pol.loss_mat, response_mask, loss_agg_mode, denominators)
         tok = partial(agg_loss, mask=response_mask, mode="token-mean", denom=denominators)
         dtype = log_prob.dtype
@@ -85,16 +86,18 @@ class ReferenceAdapter(TargetAdapter):
 
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,
                           micro_batch_size: int | None = None,
-                          max_token_len: int | None = None) -> list[list[RolloutBatch]]:
+                          max_token_len: int | None = None,
+                          extra_padding: int = 0) -> list[list[RolloutBatch]]:
         """Contiguous equal-count shards per rank, micro-batches by count or token budget,
-        then padding micro-batches so every rank runs as many as the busiest one."""
+        then padding micro-batches so every rank runs as many as the busiest one, plus
+        ``extra_padding`` more on every rank."""
         if (micro_batch_size is None) == (max_token_len is None):
             raise InputError("give exactly one of micro_batch_size and max_token_len",
                              key="micro_batch_size")
         shards = shard_for_dp(batch, dp_size)
         per_rank = [microbatches_by_count(s, micro_batch_size) if micro_batch_size else
                     microbatches_by_tokens(s, max_token_len) for s in shards]
-        target = max(len(m) for m in per_rank)
+        target = max(len(m) for m in per_rank) + extra_padding
         return [pad_microbatch_list(m, target, s) for m, s in zip(per_rank, shards)]
 
     # ---- whole step --------------------------------------------------------------------------

@@ -79,7 +79,8 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
     high = act.clip_ratio if act.clip_ratio_high is None else act.clip_ratio_high
     pol = compute_policy_loss(act.loss_mode, old_log_prob=micro["old_log_probs"], log_prob=logp,
                               advantages=micro["advantages"], mask=mask, clip_ratio_low=low,
-                              clip_ratio_high=high, clip_ratio_c=act.clip_ratio_c)
+                              clip_ratio_high=high, clip_ratio_c=act.clip_ratio_c,
+                              gspo_gradient=act.gspo_gradient)
     loss_mat = pol.loss_mat
     if act.rollout_correction.rollout_is is not None:
         loss_mat = loss_mat * micro["rollout_is_weights"]
@@ -185,4 +186,4 @@ def update_actor(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> dict
     return optimizer_steps(ctx, batch, cfg, role="actor", epochs=act.ppo_epochs,
                            micro_batch_size=act.ppo_micro_batch_size_per_gpu,
                            spec=actor_forward_spec(cfg, for_update=True), loss=actor_loss,
-                           grad_clip=act.grad_clip, extra=extra)
+                           grad_clip=act.grad_clip, extra=extra, cp=act.context_parallel_size)

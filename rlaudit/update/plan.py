@@ -19,6 +19,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.data.batching import (is_padding_microbatch, microbatches_by_count,
                                    microbatches_by_tokens, pad_microbatch_list, shard_for_dp,
                                    split_minibatches)
+from rlaudit.update.context_parallel import split_loss
 from rlaudit.update.stats import MetricAccumulator, split_stats
 
 
@@ -76,11 +77,13 @@ def describe_micro(micro: RolloutBatch) -> dict:
 
 def optimizer_steps(ctx, batch: RolloutBatch, cfg, *, role: str, epochs: int,
                     micro_batch_size: int, spec, loss, grad_clip: float,
-                    extra: Callable[[MicroPlan], dict] | None = None) -> dict[str, float]:
+                    extra: Callable[[MicroPlan], dict] | None = None,
+                    cp: int = 1) -> dict[str, float]:
     """The update loop of every role: ``epochs`` x global mini-batches of
     ``actor.ppo_mini_batch_size * rollout.n`` rows (verl's unit, in prompts), each one optimizer
     step: this rank's shard -> micro-batches (+ padding ones) -> forward/backward of
-    ``loss(micro, outputs, cfg=, denom=)`` -> global grad norm, clip, step.
+    ``loss(micro, outputs, cfg=, denom=)`` (run by a simulated context-parallel group of ``cp``
+    ranks, :mod:`rlaudit.update.context_parallel`) -> global grad norm, clip, step.
 
     Returns the metrics averaged over optimizer steps: the loss's stats (summed over micro-batches
     and ranks: global mini-batch values), ``<role>/grad_norm`` (pre-clip), ``<role>/lr``, and
@@ -113,7 +116,8 @@ def optimizer_steps(ctx, batch: RolloutBatch, cfg, *, role: str, epochs: int,
                               extra_padding=cfg.trainer.extra_padding_microbatches,
                               seq_count=act.loss_seq_count, tokens=tokens)
             ctx.zero_grad()
-            results = ctx.forward_backward(plan.micros, spec, partial(loss_fn, denom=plan.denom))
+            results = ctx.forward_backward(plan.micros, spec,
+                                           split_loss(partial(loss_fn, denom=plan.denom), cp))
             micro_stats = [r["stats"] for r in results]
             contrib, local = split_stats(micro_stats, tr.metric_mode)
             stats = acc.sum_micro_stats(ctx, contrib)

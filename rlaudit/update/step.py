@@ -130,7 +130,9 @@ def prepare_batch(roles: Roles, batch: RolloutBatch, cfg: Config) -> tuple[Rollo
                              "rollout", key="rollout_log_probs")
         weights, truncated = rollout_is_weights(batch["old_log_probs"], batch["rollout_log_probs"],
                                                 mask, level=rc.rollout_is,
-                                                threshold=rc.rollout_is_threshold)
+                                                threshold=rc.rollout_is_threshold,
+                                                mode=rc.rollout_is_mode,
+                                                threshold_lower=rc.rollout_is_threshold_lower)
         batch = batch.with_fields(rollout_is_weights=weights)
         metrics.update(is_metrics(weights, truncated, mask, level=rc.rollout_is))
 

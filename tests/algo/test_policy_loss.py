@@ -215,3 +215,32 @@ def test_errors():
     with pytest.raises(InputError, match="clip_ratio_low"):
         compute_policy_loss("vanilla", old_log_prob=x, log_prob=x, advantages=x, mask=m,
                             **{**CLIP, "clip_ratio_low": -0.1})
+
+
+def test_gspo_sequence_gradient_hand_worked():
+    """gspo_gradient="sequence" (GSPO, eq. 7; slime, TRL): same values as GSPO-token, the
+    gradient through the sequence mean. One row, valid log-ratios 0.1 and -0.3 (masked third
+    token), A = (1, 3): s = exp(-0.1) inside the band (0.8, 1.2), loss_t = -A_t * s.
+    Per-token: d loss_t / d logp_t = -A_t * s. Sequence: d (sum_t loss_t) / d logp_t' =
+    -(A_1 + A_2) * s / 2 for both valid t'."""
+    old = torch.tensor([[-1.0, -2.0, -1.0]], dtype=F64)
+    logp = old + torch.tensor([[0.1, -0.3, 7.0]], dtype=F64)
+    adv = torch.tensor([[1.0, 3.0, 5.0]], dtype=F64)
+    mask = torch.tensor([[True, True, False]])
+    s = math.exp(-0.1)
+    tok, g_tok = run("gspo", old, logp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    seq, g_seq = run("gspo", old, logp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                     gspo_gradient="sequence")
+    for out in (tok, seq):
+        assert out.loss_mat.tolist()[0] == pytest.approx([-s, -3 * s, 0.0], abs=1e-12)
+        assert out.ratio.tolist()[0] == pytest.approx([s, s, 1.0], abs=1e-12)
+    assert g_tok.tolist()[0] == pytest.approx([-s, -3 * s, 0.0], abs=1e-12)
+    assert g_seq.tolist()[0] == pytest.approx([-2 * s, -2 * s, 0.0], abs=1e-12)
+    # equal advantages in a row: the two gradients agree
+    eq = torch.full_like(adv, 2.0)
+    _, a = run("gspo", old, logp, eq, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    _, b = run("gspo", old, logp, eq, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
+               gspo_gradient="sequence")
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    with pytest.raises(InputError, match="gspo_gradient"):
+        run("gspo", old, logp, adv, mask, gspo_gradient="mean")

@@ -53,7 +53,7 @@ def test_sequence_level_hand_worked():
 def test_identity_when_rollout_equals_old():
     lp = -torch.rand(4, 5, dtype=F64) * 3
     mask = torch.rand(4, 5) > 0.3
-    for level in ("token", "sequence"):
+    for level in ("token", "sequence", "geometric"):
         w, trunc = rollout_is_weights(lp, lp.clone(), mask, level=level, threshold=2.0)
         assert torch.equal(w, mask.to(F64)) and not trunc.any()
     m = mismatch_metrics(lp, lp.clone(), mask)
@@ -84,24 +84,82 @@ def pairs(draw):
     return old, rollout, mask
 
 
+def test_geometric_level_hand_worked():
+    old, rollout, mask = _batch()
+    w, trunc = rollout_is_weights(old, rollout, mask, level="geometric", threshold=0.9)
+    # row 0: mean log-ratio (0.5 - 1 + 0) / 3 = -1/6; row 1: (-0.1 + 0) / 2 = -0.05 ->
+    # exp(-0.05) = 0.9512 > 0.9: truncated; the sequence level would give exp(-0.5), exp(-0.1)
+    e0 = math.exp(-1 / 6)
+    expect = torch.tensor([[e0] * 3, [0.9, 0.9, 0], [0] * 3], dtype=F64)
+    assert torch.allclose(w, expect, atol=1e-15, rtol=0)
+    assert trunc.tolist() == [[False] * 3, [True, True, False], [False] * 3]
+    assert is_metrics(w, trunc, mask, level="geometric") == pytest.approx(
+        {"rollout_corr/is_weight_mean": (3 * e0 + 2 * 0.9) / 5,
+         "rollout_corr/is_clipfrac": 1 / 2}, abs=1e-15)
+
+
+def test_mask_mode_hand_worked():
+    old, rollout, mask = _batch()
+    # token ratios: exp(0.5) = 1.65, exp(-1) = 0.37, 1, exp(-0.1) = 0.905, 1; bounds [0.5, 1.5]
+    w, out = rollout_is_weights(old, rollout, mask, level="token", threshold=1.5,
+                                mode="mask", threshold_lower=0.5)
+    expect = torch.tensor([[0.0, 0.0, 1.0], [math.exp(-0.1), 1.0, 0], [0] * 3], dtype=F64)
+    assert torch.allclose(w, expect, atol=1e-15, rtol=0)
+    assert out.tolist() == [[True, True, False], [False] * 3, [False] * 3]
+    # default lower bound 1 / threshold = 0.8: the sequence weight exp(-0.5) = 0.61 of row 0 is
+    # masked, exp(-0.1) of row 1 kept
+    w, out = rollout_is_weights(old, rollout, mask, level="sequence", threshold=1.25, mode="mask")
+    e1 = math.exp(-0.1)
+    assert torch.allclose(w, torch.tensor([[0.0] * 3, [e1, e1, 0], [0] * 3], dtype=F64),
+                          atol=1e-15, rtol=0)
+    assert out.tolist() == [[True] * 3, [False] * 3, [False] * 3]
+
+
+def test_levels_give_different_weights_and_bad_arguments_are_input_errors():
+    old, rollout, mask = _batch()
+    got = {lv: rollout_is_weights(old, rollout, mask, level=lv, threshold=None)[0][0, 0].item()
+           for lv in ("token", "sequence", "geometric")}
+    assert got == pytest.approx({"token": math.exp(0.5), "sequence": math.exp(-0.5),
+                                 "geometric": math.exp(-0.5 / 3)}, rel=1e-15)
+    for kw, key in ((dict(level="seq"), "rollout_is"), (dict(mode="clip"), "rollout_is_mode"),
+                    (dict(mode="mask", threshold=None), "rollout_is_threshold"),
+                    (dict(mode="mask", threshold_lower=3.0), "rollout_is_threshold_lower")):
+        args = dict(level="token", threshold=2.0) | kw
+        with pytest.raises(InputError) as e:
+            rollout_is_weights(old, rollout, mask, **args)
+        assert e.value.key.endswith(key)
+
+
 @given(batch=pairs(), threshold=st.sampled_from([None, 0.5, 1.0, 2.0, 10.0]),
-       level=st.sampled_from(["token", "sequence"]))
-def test_weights_match_naive(batch, threshold, level):
+       level=st.sampled_from(["token", "sequence", "geometric"]),
+       mode=st.sampled_from(["truncate", "mask"]))
+def test_weights_match_naive(batch, threshold, level, mode):
     old, rollout, mask = batch
-    w, trunc = rollout_is_weights(old, rollout, mask, level=level, threshold=threshold)
+    if mode == "mask" and (threshold is None or threshold < 1):
+        return  # mask mode needs an upper bound >= its default lower bound 1 / threshold
+    w, trunc = rollout_is_weights(old, rollout, mask, level=level, threshold=threshold, mode=mode)
     b, r = old.shape
     for i in range(b):
-        seq = sum(old[i, t].item() - rollout[i, t].item() for t in range(r) if mask[i, t])
+        ds = [old[i, t].item() - rollout[i, t].item() for t in range(r) if mask[i, t]]
         for t in range(r):
             if not mask[i, t]:
                 assert w[i, t].item() == 0.0 and not trunc[i, t]
                 continue
-            raw = math.exp(seq if level == "sequence" else old[i, t].item() - rollout[i, t].item())
-            cut = threshold is not None and raw > threshold
-            if threshold is not None and abs(raw - threshold) <= 1e-12 * threshold:
+            log_w = {"token": old[i, t].item() - rollout[i, t].item(), "sequence": sum(ds),
+                     "geometric": sum(ds) / max(len(ds), 1)}[level]
+            raw = math.exp(log_w)
+            if threshold is None:
+                cut, value = False, raw
+            elif mode == "truncate":
+                cut, value = raw > threshold, min(raw, threshold)
+            else:
+                cut = raw > threshold or raw < 1 / threshold
+                value = 0.0 if cut else raw
+            if threshold is not None and min(abs(raw - threshold), abs(raw - 1 / threshold)) \
+                    <= 1e-12 * threshold:
                 continue  # a tie: summation order may put the weight on either side
             assert bool(trunc[i, t]) == cut
-            assert w[i, t].item() == pytest.approx(threshold if cut else raw, rel=1e-12)
+            assert w[i, t].item() == pytest.approx(value, rel=1e-12)
 
 
 @given(batch=pairs())

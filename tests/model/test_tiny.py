@@ -237,3 +237,25 @@ def test_cli_writes_a_snapshot(tmp_path, capsys):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["model_type"] == "qwen2"
     assert tiny.main(["--arch", "qwen2", "--out", str(tmp_path / "n"), "--set", "nope=1"]) == 2
+
+
+def test_blend_is_the_committed_stale_snapshot_and_interpolates(tmp_path):
+    """scenarios/models/qwen2-tiny-short-stale is reproducible from its recipe, and every weight
+    is start + 0.1 * (towards - start) up to float32 rounding (computed here elementwise)."""
+    from safetensors.torch import load_file
+
+    from rlaudit.model.tiny import save_blend
+    models = Path(__file__).resolve().parents[2] / "scenarios" / "models"
+    out = save_blend(tmp_path / "stale", models / "qwen2-tiny-short", models / "qwen2-tiny", 0.1)
+    committed = models / "qwen2-tiny-short-stale"
+    assert (out / "model.safetensors").read_bytes() == \
+        (committed / "model.safetensors").read_bytes()
+    a = load_file(str(models / "qwen2-tiny-short" / "model.safetensors"))
+    b = load_file(str(models / "qwen2-tiny" / "model.safetensors"))
+    c = load_file(str(out / "model.safetensors"))
+    name = sorted(a)[0]
+    x, y, z = a[name].flatten()[:5].tolist(), b[name].flatten()[:5].tolist(), c[name].flatten()[:5]
+    want = torch.tensor([p + 0.1 * (q - p) for p, q in zip(x, y)], dtype=torch.float32)
+    assert torch.equal(z, want)
+    with pytest.raises(InputError):
+        save_blend(tmp_path / "bad", models / "qwen2-tiny-short", models / "qwen2-tiny", 1.5)

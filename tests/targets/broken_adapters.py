@@ -282,6 +282,51 @@ class _ClampsScoresInPlace(toy.ToyTrainer):
         return super().step(data)
 
 
+class _SequenceISFromMeanLogRatio(toy.ToyTrainer):
+    def importance_weights(self, data):      # "sequence" weight from the mean log-ratio
+        if self.cfg.rollout_is != "sequence":
+            return super().importance_weights(data)
+        mask = data["response_mask"]
+        log_ratio = (data["old_log_probs"] - data["rollout_log_probs"]) * mask
+        row = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        w = torch.exp(row.clamp(-20, 20)).clamp(max=self.cfg.rollout_is_threshold)
+        return w.expand_as(log_ratio) * mask
+
+
+class _SequenceISPerToken(toy.ToyTrainer):
+    def importance_weights(self, data):      # "sequence" computed with token ratios
+        if self.cfg.rollout_is == "sequence":
+            self.cfg.rollout_is = "token"
+            try:
+                return super().importance_weights(data)
+            finally:
+                self.cfg.rollout_is = "sequence"
+        return super().importance_weights(data)
+
+
+class _KLLossSignFlipped(toy.ToyTrainer):
+    def with_kl_penalty(self, loss, kl):     # the KL term subtracted: pushes away from the ref
+        return loss - self.cfg.kl_loss_coef * kl
+
+
+class _NoPaddingMicros(toy.ToyTrainer):
+    def __init__(self, model, cfg, ref_model=None):
+        cfg.padding_micros = 0                 # the padding path does not exist
+        super().__init__(model, cfg, ref_model)
+
+
+class _CPMetricsReducedTwice(toy.ToyTrainer):
+    def cp_all_reduce_metric(self, partial_values):  # all-reduced over the CP group, then again
+        return super().cp_all_reduce_metric(partial_values) * self.cfg.cp_size
+
+
+class _CPLossScaledBySize(toy.ToyTrainer):
+    def cp_all_reduce(self, partial_losses):
+        # Megatron-LM's `loss * cp_size` (for gradients averaged over DP x CP ranks) kept although
+        # the CP group sums its gradients: every gradient is cp times too large
+        return super().cp_all_reduce(partial_losses) * self.cfg.cp_size
+
+
 def toy_with(trainer_class, name: str) -> type:
     """A ToyAdapter subclass that runs ``trainer_class``."""
     return type(f"Toy_{name}", (ToyAdapter,), {"trainer_class": trainer_class, "name": name})
@@ -297,6 +342,23 @@ IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
+KLLossSignFlipped = toy_with(_KLLossSignFlipped, "kl-loss-sign-flipped")
+CPMetricsReducedTwice = toy_with(_CPMetricsReducedTwice, "cp-metrics-reduced-twice")
+CPLossScaledBySize = toy_with(_CPLossScaledBySize, "cp-loss-scaled-by-size")
+SequenceISFromMean = toy_with(_SequenceISFromMeanLogRatio, "sequence-is-from-mean")
+SequenceISPerToken = toy_with(_SequenceISPerToken, "sequence-is-per-token")
+
+
+class NoPaddingToy(ToyAdapter):
+    """A trainer without a padding path: its cutter leaves each rank with the micro-batches its
+    shard needs, its training step never runs a padding micro-batch."""
+
+    name = "no-padding-toy"
+    trainer_class = _NoPaddingMicros
+
+    def make_microbatches(self, batch, **kw):
+        return [[mb for mb in rank if not bool((mb["uid"] == -1).all())]   # toy padding: uid -1
+                for rank in super().make_microbatches(batch, **kw)]
 
 
 class MetricsOnly(ToyAdapter):

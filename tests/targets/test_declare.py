@@ -15,7 +15,7 @@ from rlaudit.algo.agg import AGG_MODES, agg_loss
 from rlaudit.algo.kl import kl_penalty as kl_estimate
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
-from rlaudit.scenarios.result import CheckResult, DIFFERS, FAIL, PASS
+from rlaudit.scenarios.result import CheckResult, DIFFERS, FAIL, NA, PASS
 from rlaudit.scenarios.spec import Tolerance
 from rlaudit.targets import Difference
 from rlaudit.targets.checks import run_stage_checks
@@ -518,3 +518,29 @@ def test_token_denominator_batch_mean_on_the_reference_backend(tiny_model, built
     want = float((-adv * m).sum() / m.sum())
     assert runs["batch-mean"].steps[0]["actor/pg_loss"] == pytest.approx(want, abs=1e-12)
     assert abs(want - float(sum(parts) / 2)) > 1e-3    # the layout makes them differ
+
+
+class SequenceGSPO(ReferenceAdapter):
+    """GSPO differentiated through the sequence mean (slime's, TRL's)."""
+
+    name = "gspo-sequence"
+    loss_modes = ("gspo",)
+
+    def policy_loss(self, **kw):
+        return super().policy_loss(**kw, gspo_gradient="sequence")
+
+
+def test_gspo_gradient_convention():
+    stage = ["policy_loss"]
+    got = statuses(SequenceGSPO(), stage)["policy_loss:parity"]
+    assert got.status == FAIL and "gradient" in got.message, got.message
+    seq = Difference("gspo-seq", reason="GSPO, eq. 7", link="https://example.org/slime",
+                     checks=("policy_loss:*",), convention={"gspo_gradient": "sequence"})
+    ok = statuses(type("D", (SequenceGSPO,), {"differences": (seq,)})(), stage)
+    assert ok["policy_loss:parity"].status == PASS, ok["policy_loss:parity"].message
+    assert all(c.status in (PASS, NA) for c in ok.values()), {
+        k: c.message for k, c in ok.items() if c.status not in (PASS, NA)}
+    # declaring the convention without following it fails
+    bad = statuses(type("W", (ReferenceAdapter,), {"loss_modes": ("gspo",),
+                                                   "differences": (seq,)})(), stage)
+    assert bad["policy_loss:parity"].status == FAIL

@@ -7,6 +7,7 @@ broken ToyTrainer is caught by the invariant made for its bug, and not by an unr
 from __future__ import annotations
 
 import pytest
+import torch
 
 import broken_adapters as broken
 from examples.toy_trainer.adapter import ToyAdapter
@@ -41,7 +42,9 @@ def test_correct_adapters_pass_every_invariant(adapter, tiny_model, builtin_roll
                       "padding-microbatches-complete", "microbatch-invariance",
                       "row-permutation", "masked-values", "padding-appended",
                       "on-policy-identities", "config-effect", "grad-norm-identity",
-                      "no-input-mutation", "sanity-bounds", "rollout-parity", "batch-invariance"}
+                      "no-input-mutation", "sanity-bounds", "rollout-parity", "batch-invariance",
+                      "cp-invariance", "kl-loss-direction", "ppo-epochs-identity",
+                      "rollout-correction"}
 
 
 # adapter, invariants run, must fail, must pass (for the adapter's column)
@@ -49,12 +52,14 @@ CAUGHT = [
     (broken.EntropyNotLogged, ["entropy-logged-when-coeff-zero", "backend-parity",
                                "grad-norm-identity"],
      ["entropy-logged-when-coeff-zero", "backend-parity"], ["grad-norm-identity"]),
-    (broken.GradNormAfterClip, ["grad-norm-identity", "microbatch-invariance"],
-     ["grad-norm-identity"], ["microbatch-invariance"]),
-    (broken.PerMicroMeanTrainer, ["microbatch-invariance", "grad-norm-identity"],
-     ["microbatch-invariance"], ["grad-norm-identity"]),
-    (broken.IgnoresAggModeTrainer, ["config-effect", "entropy-logged-when-coeff-zero"],
-     ["config-effect"], ["entropy-logged-when-coeff-zero"]),
+    (broken.GradNormAfterClip, ["grad-norm-identity", "backend-parity", "microbatch-invariance"],
+     ["grad-norm-identity", "backend-parity"], ["microbatch-invariance"]),
+    (broken.PerMicroMeanTrainer, ["microbatch-invariance", "backend-parity",
+                                  "grad-norm-identity"],
+     ["microbatch-invariance", "backend-parity"], ["grad-norm-identity"]),
+    (broken.IgnoresAggModeTrainer, ["config-effect", "backend-parity",
+                                    "entropy-logged-when-coeff-zero"],
+     ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
     (broken.MutatesInputBatch, ["no-input-mutation", "backend-parity"],
      ["no-input-mutation"], ["backend-parity"]),
     (broken.MetricsReusedBuffer, ["backend-parity", "no-input-mutation"],
@@ -63,11 +68,22 @@ CAUGHT = [
      ["rollout-parity", "backend-parity"], ["microbatch-invariance"]),
     (broken.ScoreOnLastTrainedToken, ["reward-shaping", "backend-parity", "rollout-parity"],
      ["reward-shaping", "backend-parity"], ["rollout-parity"]),
-    (broken.IgnoresEpochs, ["backend-parity", "microbatch-invariance"],
-     ["backend-parity"], ["microbatch-invariance"]),
-    # the base config has no KL term: the stored-kl variant (KL in the reward) exposes it
-    (broken.RefFromActor, ["backend-parity", "stored-kl-unaltered"],
-     ["backend-parity"], ["stored-kl-unaltered"]),
+    (broken.IgnoresEpochs, ["backend-parity", "ppo-epochs-identity", "microbatch-invariance"],
+     ["backend-parity", "ppo-epochs-identity"], ["microbatch-invariance"]),
+    # the base config has no KL term: the KL-loss variants expose it
+    (broken.RefFromActor, ["backend-parity", "kl-loss-direction", "stored-kl-unaltered"],
+     ["backend-parity", "kl-loss-direction"], ["stored-kl-unaltered"]),
+    # the KL-loss sign: config-effect's loss relation and an independent descent identity
+    (broken.KLLossSignFlipped, ["config-effect", "kl-loss-direction", "ppo-epochs-identity"],
+     ["config-effect", "kl-loss-direction"], ["ppo-epochs-identity"]),
+    # no padding path: equal-count-per-rank at stage level (test_stage_checks), and here
+    (broken.NoPaddingToy, ["padding-microbatches-complete", "microbatch-invariance"],
+     ["padding-microbatches-complete"], ["microbatch-invariance"]),
+    # context parallelism (issue #12 item 4): CP reduction bugs show only in the cp:2 variant
+    (broken.CPMetricsReducedTwice, ["cp-invariance", "backend-parity", "microbatch-invariance"],
+     ["cp-invariance", "backend-parity"], ["microbatch-invariance"]),
+    (broken.CPLossScaledBySize, ["cp-invariance", "backend-parity", "microbatch-invariance"],
+     ["cp-invariance", "backend-parity"], ["microbatch-invariance"]),
 ]
 
 
@@ -122,6 +138,28 @@ def test_train_step_metrics_are_copies(tiny_model):
     mut = {c.invariant: c for c in run_stage_checks(broken.MutatesInputBatch(), stages=stages,
                                                     model_path=tiny_model).checks}
     assert mut["train_step:no-input-mutation"].status == FAIL
+
+
+class MinusOneUnderMask(ReferenceAdapter):
+    """A correct trainer that leaves -1 in its per-token entropy where the mask is False."""
+
+    name = "minus-one-under-mask"
+
+    def replay(self, request):
+        runs = super().replay(request)
+        for v in request.variants:
+            ent = runs[v.name].tokens["probe_entropy"]
+            runs[v.name].tokens["probe_entropy"] = torch.where(v.batch.mask, ent, -1.0)
+        return runs
+
+
+def test_values_under_a_variants_own_mask_are_not_read(tiny_model, builtin_rollout):
+    """Issue #12 item 1: sanity-bounds read the permuted and widened variants' entropy under the
+    baseline's mask, so -1 left under a correct trainer's own mask was a false alarm."""
+    invariants = ["sanity-bounds", "row-permutation", "padding-appended"]
+    res, mine = run(MinusOneUnderMask(), tiny_model, builtin_rollout, invariants)
+    assert {k: c.status for k, c in mine.items()} == {k: PASS for k in invariants}, [
+        c.message for c in mine.values()]
 
 
 SHIPPED = sorted(p.stem for p in builtin.tiny_model_path().parents[1].glob("*.yaml"))

@@ -28,41 +28,52 @@ def test_reference_adapter_passes_every_stage_check():
     assert set(checks) == want and len(want) >= 20
 
 
-# adapter, stages run, checks that must fail, checks that must pass
+# adapter, stages run, checks that must fail, checks that must pass. Each bug class fails two
+# independent checks (issue #12 item 6): here two stage checks, or one here and one at run level
+# for the same class injected into the toy trainer (test_run_level.CAUGHT; docs/targets.md has
+# the matrix)
 CAUGHT = [
     (broken.StoredKLInPlace, ["apply_kl_in_reward"],
-     ["apply_kl_in_reward:stored-kl-unaltered"],
+     ["apply_kl_in_reward:stored-kl-unaltered", "apply_kl_in_reward:rewards-from-stored-kl"],
      ["apply_kl_in_reward:parity"]),
     (broken.PerMicroBatchNorm, ["agg_loss", "policy_loss"],
      ["agg_loss:global-split", "policy_loss:global-split"],
      ["agg_loss:parity", "policy_loss:parity", "policy_loss:row-permutation",
-      "policy_loss:masked-values", "policy_loss:metrics-are-copies", "policy_loss:no-mutation"]),
-    (broken.IgnoresClipHigh, ["policy_loss"], ["policy_loss:parity"],
+      "policy_loss:masked-values", "policy_loss:metrics-are-copies", "policy_loss:no-mutation",
+      "policy_loss:clip-effect"]),
+    (broken.IgnoresClipHigh, ["policy_loss"], ["policy_loss:parity", "policy_loss:clip-effect"],
      ["policy_loss:global-split", "policy_loss:row-permutation", "policy_loss:masked-values",
       "policy_loss:metrics-are-copies", "policy_loss:no-mutation"]),
-    (broken.HardCodedPaddingKeys, ["make_microbatches"], ["make_microbatches:padding-complete"],
+    (broken.HardCodedPaddingKeys, ["make_microbatches"],
+     ["make_microbatches:padding-complete", "make_microbatches:loss-sums-to-batch"],
      ["make_microbatches:tokens-exactly-once", "make_microbatches:equal-count-per-rank",
       "make_microbatches:no-mutation"]),
     (broken.NoPaddingMicrobatches, ["make_microbatches"],
      ["make_microbatches:equal-count-per-rank"],
-     ["make_microbatches:tokens-exactly-once", "make_microbatches:padding-complete"]),
-    (broken.DropsLastRow, ["make_microbatches"], ["make_microbatches:tokens-exactly-once"],
+     ["make_microbatches:tokens-exactly-once", "make_microbatches:padding-complete",
+      "make_microbatches:loss-sums-to-batch"]),
+    (broken.NoPaddingToy, ["make_microbatches"], ["make_microbatches:equal-count-per-rank"],
+     ["make_microbatches:tokens-exactly-once", "make_microbatches:loss-sums-to-batch"]),
+    (broken.DropsLastRow, ["make_microbatches"],
+     ["make_microbatches:tokens-exactly-once", "make_microbatches:loss-sums-to-batch"],
      ["make_microbatches:equal-count-per-rank", "make_microbatches:padding-complete"]),
     (broken.NestedIndexingDistill, ["distill_loss"], ["distill_loss:nested-matches-padded"],
      ["distill_loss:parity", "distill_loss:no-mutation"]),
     (broken.GroupsByPosition, ["compute_advantages"],
-     ["compute_advantages:parity", "compute_advantages:row-permutation"],
+     ["compute_advantages:parity", "compute_advantages:row-permutation",
+      "compute_advantages:identities"],
      ["compute_advantages:masked-values", "compute_advantages:no-mutation"]),
     (broken.MaskedValuesLeak, ["policy_loss"], ["policy_loss:masked-values"],
      ["policy_loss:parity", "policy_loss:global-split", "policy_loss:row-permutation",
-      "policy_loss:no-mutation"]),
+      "policy_loss:no-mutation", "policy_loss:clip-effect"]),
     (broken.MutatesRewards, ["compute_advantages"], ["compute_advantages:no-mutation"],
      ["compute_advantages:parity", "compute_advantages:row-permutation",
-      "compute_advantages:masked-values"]),
+      "compute_advantages:masked-values", "compute_advantages:identities"]),
     (broken.MetricsViewBuffer, ["policy_loss"], ["policy_loss:metrics-are-copies"],
      ["policy_loss:parity", "policy_loss:global-split", "policy_loss:row-permutation",
       "policy_loss:masked-values", "policy_loss:no-mutation"]),
-    (broken.NaNAdvantages, ["compute_advantages"], ["compute_advantages:parity"], []),
+    (broken.NaNAdvantages, ["compute_advantages"],
+     ["compute_advantages:parity", "compute_advantages:identities"], []),
 ]
 
 

@@ -133,7 +133,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         scratch_dir(root).mkdir()
         # the launcher enforces `timeout`; torch's own clocks only need to outlast startup
         torch_timeout = max(timeout, _group.STARTUP_TIMEOUT_S)
-        store = _rendezvous.rendezvous_store(addr, timeout=torch_timeout)
+        store = host_store(torch_timeout, addr)
         specs = [_spec(r, world_size, device, backend, root, store.port, torch_timeout,
                        threads_per_rank, rank_env, addr) for r in range(world_size)]
         group = RankGroup(specs, payload)
@@ -155,6 +155,13 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     finally:
         del store  # closes the rendezvous port
         shutil.rmtree(root, ignore_errors=True)
+
+
+def host_store(timeout_s: float, addr: str = MASTER_ADDR):
+    """The rendezvous store a group's ranks join (``MASTER_PORT``): hosted by the launcher (or a
+    warm pool), listening on ``addr`` only (never every interface: see ``_rendezvous``), port 0
+    so the OS picks a free one that stays held while the store lives."""
+    return _rendezvous.rendezvous_store(addr, timeout=timeout_s)
 
 
 def _spec(rank: int, world_size: int, device: str, backend: str, root: Path, port: int,

@@ -92,6 +92,14 @@ class RankFiles:
                    stacks=stem.with_suffix(".stacks"),
                    result=stem.with_suffix(".result.pt"), error=stem.with_suffix(".error.json"))
 
+    def for_task(self, task_dir: Path, rank: int) -> "RankFiles":
+        """A warm pool's files for one task: the rank's own log, stacks and ready marker, the
+        task's result and error record (under ``task_dir``)."""
+        stem = task_dir / f"rank{rank}"
+        return RankFiles(log=self.log, ready=self.ready, stacks=self.stacks,
+                         result=stem.with_suffix(".result.pt"),
+                         error=stem.with_suffix(".error.json"))
+
 
 def scratch_dir(root: Path) -> Path:
     """The folder handed to ``fn`` as ``RankInfo.tmpdir``."""
@@ -109,3 +117,18 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+#: Functions a warm pool's rank calls after each task, before its own reset (see
+#: :func:`register_task_reset`).
+TASK_RESETS: list[Callable[[], None]] = []
+
+
+def register_task_reset(fn: Callable[[], None]) -> None:
+    """Have every warm-pool rank call ``fn()`` after each task, in this process.
+
+    For library state a task can leave behind that the pool cannot know about: e.g. megatron's
+    parallel_state (the megatron backend registers :func:`teardown_megatron`). Runs before the
+    pool destroys the task's process groups and restores the RNG. Idempotent per function."""
+    if fn not in TASK_RESETS:
+        TASK_RESETS.append(fn)

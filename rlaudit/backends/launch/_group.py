@@ -57,11 +57,16 @@ class RankGroup:
     killed a rank that was still running (``timeout``, ``terminated`` or ``teardown``).
     """
 
-    def __init__(self, specs: list[RankSpec], payload: bytes):
+    def __init__(self, specs: list[RankSpec], payload: bytes | None, *, target=rank_main,
+                 extra_args: list[tuple] | None = None, name: str = "rlaudit-rank"):
+        """``target(spec, payload, *extra_args[rank])`` runs in each process (a warm pool passes
+        its own target, no payload and a pipe end per rank); processes are named
+        ``<name><rank>``."""
         ctx = mp.get_context("spawn")
         self.files: list[RankFiles] = [s.files for s in specs]
-        self.procs = [ctx.Process(target=rank_main, args=(s, payload), name=f"rlaudit-rank{s.rank}")
-                      for s in specs]
+        extra = extra_args or [()] * len(specs)
+        self.procs = [ctx.Process(target=target, args=(s, payload, *extra[s.rank]),
+                                  name=f"{name}{s.rank}") for s in specs]
         self.exitcodes: dict[int, int] = {}
         self.seen_at: dict[int, float] = {}
         self.killed: dict[int, str] = {}

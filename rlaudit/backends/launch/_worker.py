@@ -34,8 +34,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from rlaudit.backends.launch._common import (MASTER_ADDR, RankInfo, RankSpec, scratch_dir,
-                                             write_atomic)
+from rlaudit.backends.launch._common import (MASTER_ADDR, RankFiles, RankInfo, RankSpec,
+                                             scratch_dir, write_atomic)
 
 #: Exit code of a rank that caught an exception before its result was complete.
 EXIT_RAISED = 3
@@ -54,22 +54,7 @@ def rank_main(spec: RankSpec, payload: bytes) -> None:
 
     ``payload`` is ``pickle.dumps((fn, args, kwargs))`` made by the launcher.
     """
-    os.setpgid(0, 0)
-    files = spec.files
-    log_fd = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)  # the log tail is current even if killed
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    stacks = open(files.stacks, "w")  # kept open: faulthandler writes to its fd from a signal
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid, spec.root), daemon=True,
-                     name="rlaudit-parent-watchdog").start()
-    os.environ.update(spec.env)
-
+    files = setup_process(spec)
     phase = "import"
     try:
         import torch
@@ -93,6 +78,27 @@ def rank_main(spec: RankSpec, payload: bytes) -> None:
         _record_error(spec, "teardown", exc)
         _exit(EXIT_TEARDOWN_FAILED)
     _exit(0)
+
+
+def setup_process(spec: RankSpec) -> RankFiles:
+    """Step 1 of the module docstring, and the environment: what every rank process (one-shot or
+    warm pool) does first. Returns the rank's files."""
+    os.setpgid(0, 0)
+    files = spec.files
+    log_fd = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)  # the log tail is current even if killed
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    stacks = open(files.stacks, "w")  # kept open: faulthandler writes to its fd from a signal
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid, spec.root), daemon=True,
+                     name="rlaudit-parent-watchdog").start()
+    os.environ.update(spec.env)
+    return files
 
 
 def _init_distributed(spec: RankSpec) -> RankInfo:
@@ -136,8 +142,10 @@ def is_peer_lost(exc: BaseException) -> bool:
     return any(marker in text for marker in _PEER_LOST_MARKERS)
 
 
-def _record_error(spec: RankSpec, phase: str, exc: BaseException) -> None:
-    """Write the error record, then a marker line in the log (the report carries the traceback)."""
+def _record_error(spec: RankSpec, phase: str, exc: BaseException, *,
+                  path: Path | None = None) -> None:
+    """Write the error record (to ``path``, default the rank's error file), then a marker line in
+    the log (the report carries the traceback)."""
     when = time.time()
     tb = "".join(traceback.format_exception(exc))
     try:
@@ -148,7 +156,7 @@ def _record_error(spec: RankSpec, phase: str, exc: BaseException) -> None:
               "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
               "message": message, "traceback": tb, "peer_lost": is_peer_lost(exc)}
     try:
-        write_atomic(spec.files.error, lambda f: f.write(json.dumps(record).encode()))
+        write_atomic(path or spec.files.error, lambda f: f.write(json.dumps(record).encode()))
     finally:
         sys.stderr.write(f"[rlaudit] rank {spec.rank} failed in {phase}: "
                          f"{type(exc).__name__}: {message}\n")

@@ -35,7 +35,7 @@ import torch
 
 from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
-from rlaudit.backends.launch import launch
+from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.replay import replay_variant
 from rlaudit.errors import InputError
 from rlaudit.update.step import Roles, needs_ref
@@ -216,8 +216,10 @@ class MegatronBackend:
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         layout = check_request(request)
         tp, pp, dp = layout
-        per_rank = launch(replay_in_rank, tp * pp * dp, args=(request,), device=request.device,
-                          timeout=request.timeout)
+        # one warm pool per world size serves every layout of that size: replay_in_rank builds
+        # (and tears down) the layout's parallel_state per request
+        per_rank = run_ranks(replay_in_rank, tp * pp * dp, pool="megatron", args=(request,),
+                             device=request.device, timeout=request.timeout)
         return merge_ranks(per_rank, layout)
 
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from rlaudit.backends.launch.pool import register_task_reset
 from rlaudit.errors import InputError
 
 TESTED_VERSIONS = ("0.16.1",)
@@ -222,7 +223,16 @@ def _patch_type_checks() -> None:
 # --------------------------------------------------------------------------- public API
 
 def megatron_version() -> str:
-    """The installed megatron-core version (raises InputError when it is not installed)."""
+    """The installed megatron-core version (raises InputError when it is not installed).
+
+    From the package metadata when there is one: importing megatron.core takes seconds and warns
+    eight times, and a process that only checks availability (the CLI) should not pay that."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        pass  # a source checkout on the path, perhaps
     try:
         import megatron.core
     except ImportError as e:
@@ -301,3 +311,7 @@ def teardown_megatron() -> None:
     except ImportError:
         return
     parallel_state.destroy_model_parallel()
+
+
+# a warm pool's rank resets megatron after every task, even one that did not tear down itself
+register_task_reset(teardown_megatron)

@@ -5,7 +5,7 @@
 """
 
 from rlaudit.scenarios.invariants import (health, identities, metamorphic, parity,  # noqa: F401
-                                           reward, seeds)
+                                           reward, rollout_corr, seeds)
 from rlaudit.scenarios.invariants.base import INVARIANTS, CheckContext, Invariant
 
 __all__ = ["INVARIANTS", "CheckContext", "Invariant"]

@@ -32,10 +32,16 @@ class CheckContext:
     def variant(self, name: str) -> Variant | None:
         return next((v for v in self.variants if v.name == name), None)
 
-    def mask(self, variant: str) -> torch.Tensor:
-        """The response mask of the batch ``variant`` ran on (variants may permute or widen it)."""
+    def batch_of(self, variant: str) -> RolloutBatch:
+        """The batch ``variant`` ran on (variants may permute rows, widen or perturb it); the
+        baseline batch for a name that is not a variant."""
         v = self.variant(variant)
-        return self.batch.mask if v is None else v.batch.mask
+        return self.batch if v is None else v.batch
+
+    def mask(self, variant: str) -> torch.Tensor:
+        """The response mask of the batch ``variant`` ran on: every per-token tensor of that
+        variant's runs is read under it, never under the baseline's."""
+        return self.batch_of(variant).mask
 
     def backends(self) -> list[str]:
         return list(self.runs)

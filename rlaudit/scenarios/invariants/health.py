@@ -19,9 +19,9 @@ BOUND_SLACK = 1e-9
 def sanity_bounds(ctx: CheckContext):
     """Every logged metric is catalogued, finite and inside its catalogue bounds (fractions in
     [0, 1], entropy >= 0, k3 KL >= 0, grad norms >= 0, ...), in every variant and step; per-token
-    entropy is >= 0 on valid tokens."""
+    entropy is >= 0 on valid tokens — each variant's tensors read under that variant's own mask
+    (a permuted or widened variant has its own; values under mask 0 are the trainer's business)."""
     out = []
-    mask = ctx.batch.mask
     for b in ctx.backends():
         problems = []
         for vname, run in ctx.runs[b].items():
@@ -37,7 +37,13 @@ def sanity_bounds(ctx: CheckContext):
                         problems.append(f"{vname} step {step}: {name} = {value:.6g} outside "
                                         f"[{spec.low}, {spec.high}]")
             ent = run.tokens.get("probe_entropy")
-            if ent is not None and ent.shape == mask.shape:
+            if ent is None:
+                continue
+            mask = ctx.mask(vname)
+            if ent.shape != mask.shape:
+                problems.append(f"{vname}: per-token entropy has shape {tuple(ent.shape)}, the "
+                                f"variant's batch {tuple(mask.shape)}")
+            else:
                 low = float(torch.where(mask, ent.double(), torch.zeros((), dtype=torch.float64)).min())
                 if low < -BOUND_SLACK:
                     problems.append(f"{vname}: per-token entropy {low:.3g} < 0")
@@ -54,7 +60,8 @@ ROLLOUT_TOLERANCES = {"vllm": Tolerance(0.0, 5e-3), "reference": Tolerance(0.0, 
 @invariant("rollout-parity", "rollout")
 def rollout_parity(ctx: CheckContext):
     """The sampling engine's log-probs (``rollout_log_probs``, recorded with the rollout) match
-    the trainer's recomputation with the same weights and temperature on every valid token:
+    the trainer's recomputation with the same weights and temperature on every valid token (n/a
+    when the rollout's sidecar names another model snapshot: an off-policy rollout):
     a mismatch means the engine and trainer disagree about the policy (temperature applied twice,
     wrong logprobs mode, different weights, numerics)."""
     out = []
@@ -63,6 +70,13 @@ def rollout_parity(ctx: CheckContext):
                 for b in ctx.backends()]
     engine = str(ctx.batch.meta.get("engine", "reference"))
     scn = ctx.scenario
+    sampled_by = ctx.batch.meta.get("model_snapshot_id")
+    if sampled_by and scn.model is not None:
+        from rlaudit.model.load import snapshot_id
+        if snapshot_id(scn.model) != sampled_by:
+            why = (f"the rollout was sampled by another snapshot ({ctx.batch.meta.get('model')}, "
+                   f"id {sampled_by}) than the scenario's model: off-policy by design")
+            return [not_applicable("rollout-parity", b, why) for b in ctx.backends()]
     tol = (scn.tolerances.get("rollout_log_probs")
            or ROLLOUT_TOLERANCES.get(engine, ROLLOUT_TOLERANCES["vllm"]))
     for b in ctx.backends():
@@ -71,8 +85,9 @@ def rollout_parity(ctx: CheckContext):
             out.append(na)
             continue
         run = runs[0]
-        ok, msg, det = compare_tensors("rollout_log_probs vs trainer", ctx.batch["rollout_log_probs"],
-                                       run.tokens["probe_log_probs"], tol, ctx.batch.mask)
+        batch = ctx.batch_of("base")
+        ok, msg, det = compare_tensors("rollout_log_probs vs trainer", batch["rollout_log_probs"],
+                                       run.tokens["probe_log_probs"], tol, batch.mask)
         out.append(result("rollout-parity", b, ok, f"engine {engine}: {msg}", det,
                           drift=det.get("max_abs_diff")))
     return out

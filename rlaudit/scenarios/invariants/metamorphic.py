@@ -49,7 +49,9 @@ def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, 
         got, want = runs
         if recut:
             kw["metrics"] = cut_invariant_metrics(ctx.scenario, want)
-        c = compare_runs(ctx.scenario, got, want, mask=ctx.batch.mask, label=label, **kw)
+        # ``want`` is the baseline: its rows, widths and mask are the ones compared on (row_map
+        # and width map ``got`` onto them)
+        c = compare_runs(ctx.scenario, got, want, mask=ctx.mask(base), label=label, **kw)
         out.append(result(name, b, c.ok, c.message, c.details, c.drift))
     return out
 
@@ -99,7 +101,8 @@ def batch_invariance(ctx: CheckContext):
             out.append(na)
             continue
         one, whole = runs
-        c = compare_runs(ctx.scenario, one, whole, mask=ctx.batch.mask, metrics=[], params=False,
+        c = compare_runs(ctx.scenario, one, whole, mask=ctx.mask("microbatch:all"), metrics=[],
+                         params=False,
                          tokens=("probe_log_probs", "probe_entropy", "old_log_probs"),
                          metric_names_equal=False, label="1 row vs all rows per micro-batch")
         out.append(result("batch-invariance", b, c.ok, c.message, c.details, c.drift))
@@ -162,6 +165,38 @@ def masked_values(ctx: CheckContext):
     float per-token fields where response_mask is False) changes no metric, valid per-token output
     or updated parameter."""
     return _check_against_base(ctx, "masked-values", "masked:garbage", "garbage under mask")
+
+
+# ---- context-parallel size -------------------------------------------------------------------
+
+#: CP size of the cp-invariance variant when no backend's layout declares one
+DEFAULT_CP = 2
+
+
+def cp_size(scn) -> int:
+    """The CP size the variant uses: the largest ``cp`` a backend's layout declares, else 2."""
+    declared = [int(layout.get("cp", 1)) for layout in scn.backends.values()]
+    return max([c for c in declared if c > 1], default=DEFAULT_CP)
+
+
+def _cp_variants(scn, batch):
+    size = cp_size(scn)
+    return [_base(scn, batch),
+            base_variant(scn, batch, f"cp:{size}", steps=min(scn.steps, 2),
+                         **{"actor.context_parallel_size": size})]
+
+
+@invariant("cp-invariance", "metamorphic", variants=_cp_variants)
+def cp_invariance(ctx: CheckContext):
+    """Dividing every sequence's tokens over ``cp`` context-parallel ranks
+    (``actor.context_parallel_size``; load-balanced 2*cp chunks, rlaudit/data/context_parallel.py)
+    changes no metric, per-token output or updated parameter: each rank's partial loss, gradient
+    and metric sums are reduced over the CP group exactly once and never rescaled by ``cp``. The
+    size is the ``cp`` a backend's layout declares (an adapter's ``layout = {"cp": N}``), else 2;
+    rlaudit's backends simulate the CP group in the shared update step."""
+    size = cp_size(ctx.scenario)
+    return _check_against_base(ctx, "cp-invariance", f"cp:{size}",
+                               f"context_parallel_size {size} vs 1")
 
 
 # ---- no input mutation -----------------------------------------------------------------------

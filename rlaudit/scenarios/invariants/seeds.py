@@ -6,9 +6,9 @@ from rlaudit.algo.kl import kl_penalty
 from rlaudit.algo.reward import place_scores
 from rlaudit.data.batch import Kind
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, compare_tensors,
-                                               invariant, result)
+                                               invariant, not_applicable, result)
 from rlaudit.scenarios.invariants.compare import compare_runs
-from rlaudit.scenarios.invariants.naive import naive_agg
+from rlaudit.scenarios.invariants.logged import logged_agg, microbatch_rows
 from rlaudit.update.step import sequence_scores
 
 
@@ -33,12 +33,13 @@ def entropy_logged(ctx: CheckContext):
     """With ``entropy_coeff = 0`` and ``calculate_entropy = true``, every backend logs
     ``actor/entropy``, its value is the policy entropy aggregated with ``loss_agg_mode`` over the
     batch (recomputed here from the per-token entropy of the initial policy: on a single on-policy
-    optimizer step the update sees exactly that policy), and the loss, gradient and updated
-    parameters equal those of the run with ``calculate_entropy = false`` (entropy is logged, not
-    optimised)."""
+    optimizer step the update sees exactly that policy; for a backend that reduces it as a
+    micro-batch mean, the mean over its micro-batches of each one's aggregate), and the loss,
+    gradient and updated parameters equal those of the run with ``calculate_entropy = false``
+    (entropy is logged, not optimised)."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
+    mask = ctx.mask("entropy:calc")
     for b in ctx.backends():
         runs, na = ctx.need("entropy-logged-when-coeff-zero", b, "entropy:calc", "entropy:off")
         if na:
@@ -51,13 +52,22 @@ def entropy_logged(ctx: CheckContext):
                               "actor/entropy is not logged although calculate_entropy is true "
                               "(entropy_coeff = 0)"))
             continue
-        want = naive_agg(calc.tokens["probe_entropy"], mask, scn.config.actor.loss_agg_mode,
-                         norm_len=scn.config.actor.loss_scale_factor)
+        cfg = run_cfg(ctx, "entropy:calc")
+        reduced = cfg.trainer.metric_mode("actor/entropy")
+        want = logged_agg("actor/entropy", calc.tokens["probe_entropy"], mask, cfg,
+                          microbatch_rows(calc, cfg, ctx.batch_of("entropy:calc")))
+        if want is None:
+            out.append(not_applicable("entropy-logged-when-coeff-zero", b, "actor/entropy is "
+                                      "reduced as a micro-batch mean and the micro-batches' rows "
+                                      "are unknown (micro-batch records do not fit the batch)"))
+            continue
         tol = scn.tol("actor/entropy")
         problems = []
         if not tol.close(m["actor/entropy"], want):
+            how = ("" if reduced == "contribution"
+                   else ", averaged over micro-batches (metric_reduction microbatch-mean),")
             problems.append(f"actor/entropy = {m['actor/entropy']:.10g}, but the policy's entropy "
-                            f"aggregated with {scn.config.actor.loss_agg_mode} is {want:.10g}")
+                            f"aggregated with {cfg.actor.loss_agg_mode}{how} is {want:.10g}")
         same = compare_runs(scn, calc, off, mask=mask, metric_names_equal=False,
                             metrics=["actor/loss", "actor/pg_loss", "actor/grad_norm"],
                             tokens=(), label="calculate_entropy true vs false")
@@ -86,7 +96,8 @@ def stored_kl_unaltered(ctx: CheckContext):
     building the shaped reward in an aliased tensor)."""
     out = []
     scn = ctx.scenario
-    mask = ctx.batch.mask
+    mask = ctx.mask("kl-in-reward")
+    batch = ctx.batch_of("kl-in-reward")
     alg = scn.config.algorithm
     for b in ctx.backends():
         runs, na = ctx.need("stored-kl-unaltered", b, "kl-in-reward")
@@ -111,8 +122,8 @@ def stored_kl_unaltered(ctx: CheckContext):
             problems.append("rollout/kl is not logged")
         elif not scn.tol("rollout/kl").close(got_mean, want_mean):
             problems.append(f"rollout/kl = {got_mean:.10g}, recomputed KL mean {want_mean:.10g}")
-        seq, _ = sequence_scores(ctx.batch, run_cfg(ctx, "kl-in-reward"))
-        scores = place_scores(seq, ctx.batch["response_lengths"], ctx.batch.response_width).double()
+        seq, _ = sequence_scores(batch, run_cfg(ctx, "kl-in-reward"))
+        scores = place_scores(seq, batch["response_lengths"], batch.response_width).double()
         rewards = scores - alg.kl_coef * kl
         ok, msg, _ = compare_tensors("token_level_rewards", t["token_level_rewards"], rewards,
                                      scn.tol("token_level_rewards"), mask)
@@ -135,7 +146,8 @@ def _padding_variants(scn, batch):
 def padding_complete(ctx: CheckContext):
     """Padding micro-batches (response_mask all False, added so every rank runs equally many
     passes) carry every per-token field the real micro-batches of the same optimizer step carry,
-    with the same dtypes and trailing shapes; and appending two of them per optimizer step
+    with the same dtypes and trailing shapes; asking for two per optimizer step
+    (``trainer.extra_padding_microbatches``) runs at least two more passes on every rank, and
     changes no metric, per-token output or updated parameter."""
     out = []
     scn = ctx.scenario
@@ -172,7 +184,15 @@ def padding_complete(ctx: CheckContext):
         if not seen_padding and extra.micro_log:
             problems.append("no padding micro-batch was run although two were requested per "
                             "optimizer step")
-        same = compare_runs(scn, extra, none_, mask=ctx.batch.mask,
+        elif extra.micro_log and none_.micro_log:
+            # counted, not recognised by an empty mask: a real micro-batch of empty responses
+            # also has no valid token
+            more = [[len(e) - len(n) for e, n in zip(re, rn)]
+                    for re, rn in zip(extra.micro_log[0], none_.micro_log[0])]
+            if any(d < 2 for rank in more for d in rank):
+                problems.append(f"extra_padding_microbatches = 2 added {more} micro-batches per "
+                                f"rank and optimizer step (at least 2 expected)")
+        same = compare_runs(scn, extra, none_, mask=ctx.mask("padding:none"),
                             label="with 2 padding micro-batches vs none")
         if not same.ok:
             problems.append(same.message)

@@ -123,24 +123,15 @@ def _shift(x: torch.Tensor, lengths: torch.Tensor, *, to_right: bool) -> torch.T
 
 # ---- the adapter -----------------------------------------------------------------------------
 
-def _reducer_cases() -> tuple[str, ...]:
-    """Problem labels (rlaudit.targets.loss_checks) of the sequence-mean reductions on the
-    ``ragged`` case, the only one with rows without a valid token."""
-    from rlaudit.targets.loss_checks import CLIP_SETTINGS
-    return tuple(f"{mode}/{agg} clip={clip} {what} on ragged"
-                 for mode in LOSS_MODES for agg in ("seq-mean-token-mean",
-                                                    "seq-mean-token-sum-norm")
-                 for clip in CLIP_SETTINGS for what in ("loss", "gradient", "actor/pg_loss"))
-
-
 class SkyRLAdapter(TargetAdapter):
     """SkyRL's advantage estimators, KL estimators, policy losses and micro-batch iterators."""
 
     name = "skyrl"
     precision = "float32"
-    # SkyRL's worker averages clip_ratio (a local masked mean) over micro-batches
-    # (worker_utils.reduce_metrics); only `*_loss` metrics are summed.
-    metric_reduction = "microbatch-mean"
+    # SkyRL's worker averages clip_ratio (a local masked mean) over micro-batches; `*_loss`
+    # metrics (policy_loss: the loss on pre-scaled advantages, a contribution) are summed
+    # (worker_utils.reduce_metrics(sum_loss_metrics=True))
+    metric_reduction = {"actor/pg_loss": "contribution", "*": "microbatch-mean"}
     advantage_estimators = tuple(ESTIMATORS)
     kl_estimators = ("k1", "abs", "k2", "k3")
     loss_modes = tuple(LOSS_MODES)
@@ -176,9 +167,10 @@ class SkyRLAdapter(TargetAdapter):
             "sequence-mean-over-all-rows",
             reason="sequence_mean and seq_mean_token_sum_norm divide by the mini-batch's row "
                    "count (advantages / (batch_size * ...)), rows without a loss-mask token "
-                   "included; rlaudit divides by the rows with at least one",
+                   "included (a row's own count is clamped to 1: its loss is 0); rlaudit's "
+                   "default divides by the rows with at least one",
             link=f"{_PPO_UTILS} (apply_loss_reduction_to_advantages_minibatch)",
-            checks=("policy_loss:parity",), cases=_reducer_cases()),
+            checks=("policy_loss:*",), convention={"seq_count": "all-rows"}),
     )
 
     # ---- advantages ----------------------------------------------------------------------

@@ -89,21 +89,14 @@ def _eager():
         yield
 
 
-def _agg_cases() -> tuple[str, ...]:
-    """Problem labels (rlaudit.targets.loss_checks) on the ``ragged`` case, the only one with
-    rows without a valid token, for both reductions."""
+def _token_normaliser_cases() -> tuple[str, ...]:
+    """Problem labels (rlaudit.targets.loss_checks) of the per-token reduction (token-mean) on
+    the ``ragged`` case, the only one with rows without a valid token."""
     from rlaudit.targets.loss_checks import CLIP_SETTINGS, POLICY_METRICS
     whats = ("loss", "gradient") + POLICY_METRICS
-    labels = [f"{mode}/{agg} clip={clip}" for mode in LOSS_MODES for agg in AGG_MODES
-              for clip in CLIP_SETTINGS]
+    labels = [f"{mode}/token-mean clip={clip}" for mode in LOSS_MODES for clip in CLIP_SETTINGS]
     return tuple(f"{lab} {what} on ragged" for lab in labels for what in whats) + tuple(
         f"{lab} on ragged:" for lab in labels)
-
-
-def _gspo_gradient_cases() -> tuple[str, ...]:
-    from rlaudit.targets.loss_checks import CLIP_SETTINGS
-    return tuple(f"gspo/{agg} clip={clip} gradient" for agg in AGG_MODES
-                 for clip in CLIP_SETTINGS)
 
 
 class SlimeAdapter(TargetAdapter):
@@ -116,22 +109,31 @@ class SlimeAdapter(TargetAdapter):
     loss_agg_modes = tuple(AGG_MODES)
     differences = (
         Difference(
-            "loss-denominators-count-every-sample",
-            reason="the per-sample-mean loss is divided by the step's sample count "
-                   "(step_global_batch_size), and the per-token loss by the sum over samples of "
-                   "max(1, loss-mask tokens): samples without a loss-mask token count; rlaudit "
-                   "counts only rows and tokens that have one",
+            "sample-mean-over-every-sample",
+            reason="the per-sample-mean loss (sum_of_sample_mean: a sample's loss over "
+                   "max(1, its loss-mask tokens)) is divided by the step's sample count "
+                   "(step_global_batch_size), samples without a loss-mask token included",
             link=f"{_LOSS} (loss_function)",
-            checks=("policy_loss:parity", "policy_loss:global-split"), cases=_agg_cases()),
+            checks=("policy_loss:*",), convention={"seq_count": "all-rows"}),
+        Difference(
+            "per-token-normaliser-counts-empty-samples",
+            reason="the per-token loss (calculate_per_token_loss) is divided by num_tokens = the "
+                   "sum over samples of max(1, loss-mask tokens): a sample without a loss-mask "
+                   "token counts as one token; rlaudit counts the loss-mask tokens. (Given "
+                   "global counts, the adapter divides by denominators.tokens, as Megatron "
+                   "divides by the normalisers summed over the step: the whole-batch call and "
+                   "the split then differ on such a batch.)",
+            link=f"{_LOSS} (loss_function: num_tokens)",
+            checks=("policy_loss:parity", "policy_loss:global-split"),
+            cases=_token_normaliser_cases()),
         Difference(
             "gspo-sequence-level-gradient",
             reason="GSPO's ratio is exp of the sequence's mean log-ratio with the gradient "
                    "flowing through that mean (GSPO, eq. 7), so each token's term moves every "
-                   "token of its row; rlaudit's reference is GSPO-token (verl), whose gradient "
-                   "is the same when a row's advantages are equal (outcome advantages)",
+                   "token of its row; verl's is GSPO-token (the same when a row's advantages "
+                   "are equal)",
             link=f"{_SRC}/slime/utils/ppo_utils.py (compute_gspo_kl)",
-            checks=("policy_loss:parity", "policy_loss:global-split"),
-            cases=_gspo_gradient_cases()),
+            checks=("policy_loss:*",), convention={"gspo_gradient": "sequence"}),
     )
 
     # ---- KL in reward --------------------------------------------------------------------

@@ -23,8 +23,8 @@ Two things the adapter sets that are not TRL config values (both data order, not
 - The reference policy: TRL builds it from the policy's own snapshot; the scenario's reference
   snapshot is substituted for that one ``create_model_from_path`` call.
 
-docs/peers.md ("TRL") has the config mapping, the metric table, the declared differences and
-the versions covered.
+docs/peers.md ("TRL") has the config mapping, the metric table, the conventions and declared
+differences (each worked out on TRL's code) and the versions covered.
 """
 
 from __future__ import annotations
@@ -39,19 +39,13 @@ import torch
 
 from rlaudit.targets.adapter import TargetAdapter, TrainStepOutput
 
-try:  # the lead's API additions (API.md); absent on older rlaudit
-    from rlaudit.targets import Difference
-except ImportError:  # pragma: no cover
-    Difference = None
+from rlaudit.targets import Difference
 
 #: rlaudit loss_agg_mode -> TRL loss_type (how TRL aggregates per-token losses)
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
               "seq-mean-token-sum-norm": "dr_grpo", "seq-mean-token-sum": "luspo"}
 #: rlaudit loss_mode -> TRL importance_sampling_level (ratio per token, or per sequence = GSPO)
 IS_LEVELS = {"vanilla": "token", "gspo": "sequence"}
-
-#: whether this rlaudit's reference can reduce metrics as means over micro-batches (API.md)
-MICROBATCH_MEAN = hasattr(TargetAdapter, "metric_reduction")
 
 TRL_ORIGIN = "https://github.com/huggingface/trl/blob/v{v}/trl/trainer/grpo_trainer.py"
 SUPPORTED = ("1.14", "1.16")
@@ -72,18 +66,17 @@ def metric_map(config) -> dict[str, str]:
     """TRL's logged name -> rlaudit catalogue name, for this config. TRL logs ``entropy``,
     ``kl`` and ``clip_ratio/*`` as token means of each micro-batch (averaged over the optimizer
     step's micro-batches), and Trainer's ``loss`` as the sum of what each micro-batch
-    backpropagates (the optimizer step's whole loss)."""
+    backpropagates (the optimizer step's whole loss): :attr:`TRLAdapter.metric_reduction`."""
     a = config.actor
     m = {"grad_norm": "actor/grad_norm", "learning_rate": "actor/lr",
          "reward": "critic/score/mean", "loss": "actor/loss"}
     # TRL logs these per micro-batch and averages them (metric_reduction = "microbatch-mean")
     if a.loss_mode == "vanilla":   # gspo: TRL counts clipped sequences, not tokens
         m["clip_ratio/region_mean"] = "actor/pg_clipfrac"
-    if a.loss_agg_mode == "token-mean":
-        # aggregated like the loss only in token-mean; other modes aggregate per sequence
+    if a.loss_agg_mode == "token-mean" and config.compute_entropy:
+        # TRL always computes and logs it, as a token mean: rlaudit's actor/entropy when
+        # entropy is asked for, and aggregated like the loss (token-mean) only then
         m["entropy"] = "actor/entropy"
-        if a.use_kl_loss:
-            m["kl"] = "actor/kl_loss"
     if not a.use_kl_loss and a.entropy_coeff == 0:
         # TRL's loss is then its policy loss alone (no KL or entropy term added)
         m["loss@pg"] = "actor/pg_loss"
@@ -237,7 +230,11 @@ class TRLAdapter(TargetAdapter):
     name = "trl"
     advantage_estimators = ("grpo", "drgrpo")
     loss_modes = ("vanilla", "gspo")
-    metric_reduction = "microbatch-mean"
+    #: Trainer's ``loss`` sums what each micro-batch backpropagates (contributions, TRL's own
+    #: normalisers); TRL's ``entropy``, ``kl``, ``clip_ratio/*`` are each micro-batch's token
+    #: mean (``global_masked_mean``), averaged over the logging window's micro-batches
+    metric_reduction = {"actor/loss": "contribution", "actor/pg_loss": "contribution",
+                        "*": "microbatch-mean"}
     #: logged in every configuration (the others depend on the config: metric_map)
     metric_names = ("actor/grad_norm", "actor/lr", "actor/loss", "critic/score/mean")
     trainer_class = None          # tests may swap in a subclass of TRL's GRPOTrainer
@@ -261,8 +258,14 @@ class TRLAdapter(TargetAdapter):
             f"loss_agg_mode {a.loss_agg_mode}": a.loss_agg_mode not in LOSS_TYPES,
             "seq-mean-token-sum only with loss_mode gspo (TRL's luspo)":
                 a.loss_agg_mode == "seq-mean-token-sum" and a.loss_mode != "gspo",
-            f"kl_loss_type {a.kl_loss_type} (TRL's KL term is k3)":
-                a.use_kl_loss and a.kl_loss_type not in ("k3", "low_var_kl"),
+            # TRL's KL term (beta) is k3 = exp(ref - logp) - (ref - logp) - 1 without verl's and
+            # rlaudit's clamps (log-ratio at +-20, value at 10), times the differentiable
+            # importance ratio by default (use_bias_correction_kl): no reference convention
+            # computes either; with it TRL's logged loss is no longer the policy loss alone, and
+            # with beta = 0 TRL computes no KL at all
+            f"use_kl_loss (TRL's KL term is k3 without the clamp of its value at 10, times the "
+            f"importance ratio by default (use_bias_correction_kl): {kl_link(self.version)})":
+                a.use_kl_loss,
             "KL in reward": alg.use_kl_in_reward,
             "rollout correction (TRL applies it only with use_vllm=True)":
                 rc.rollout_is is not None or rc.use_rollout_kl_loss,
@@ -276,6 +279,15 @@ class TRLAdapter(TargetAdapter):
             "dual clip bound <= 1 + clip_ratio_high":
                 a.clip_ratio_c <= 1 + (a.clip_ratio if a.clip_ratio_high is None
                                        else a.clip_ratio_high),
+            # TRL adds entropy_coef x (the mean over the optimizer step's micro-batches of each
+            # one's token-mean entropy); rlaudit aggregates the entropy term like the policy
+            # loss. Equal only for token-mean with one micro-batch and one mini-batch per step.
+            f"entropy_coeff != 0 unless token-mean with one micro-batch per step (TRL's entropy "
+            f"bonus is a mean of micro-batch token means: {entropy_bonus_link(self.version)})":
+                a.entropy_coeff != 0 and not (
+                    a.loss_agg_mode == "token-mean"
+                    and a.ppo_micro_batch_size_per_gpu >= a.ppo_mini_batch_size * config.rollout.n
+                    and a.ppo_mini_batch_size >= config.data.train_batch_size),
         }
         why = [k for k, bad in unsupported.items() if bad]
         return not why, ", ".join(why)
@@ -396,57 +408,80 @@ class TRLAdapter(TargetAdapter):
 
 
 #: line numbers of the cited code in grpo_trainer.py at each pinned tag
-_LINES = {"1.16.0": {"eps": 2787, "norm": 3170, "grpo": 3154, "metric": 3270},
-          "1.14.2": {"eps": 2853, "norm": 3241, "grpo": 3225, "metric": 3341}}
+_LINES = {"1.16.0": {"eps": 2787, "grpo": 3154, "dr_grpo": 3164, "dapo": 3170, "luspo": 3179,
+                     "entropy_bonus": 3199, "metric": 3259, "num_items": 2498,
+                     "advantages": 2785, "kl": 3100, "sequence": 3087},
+          "1.14.2": {"eps": 2853, "grpo": 3225, "dr_grpo": 3235, "dapo": 3241, "luspo": 3250,
+                     "entropy_bonus": 3270, "metric": 3330, "num_items": 2560,
+                     "advantages": 2851, "kl": 3171, "sequence": 3158}}
 
 
-#: TRL's deliberate choices that differ from rlaudit's reference: (name, reason, cited code,
-#: checks covered). docs/peers.md, "TRL", explains each.
-DIFFERENCES = (
-    ("trl-grpo-std-epsilon",
-     "scale_rewards='group' divides by (group std + 1e-4); verl and rlaudit by (std + 1e-6): "
-     "advantages, losses and updates differ by ~1e-4 / std relative (scale_rewards='none' is "
-     "exact)", "eps", ("backend-parity",), ("advantages", "parameters", "actor/")),
-    ("trl-token-mean-generation-normaliser",
-     "loss_type='dapo' divides every optimizer step by the generation batch's token count x "
-     "gradient_accumulation_steps / steps_per_generation (the mean tokens per optimizer step), "
-     "not by the step's own token count: equal only when one generation is one optimizer step "
-     "(one mini-batch per rlaudit step)", "norm", ("backend-parity",), ()),
-    ("trl-seq-mean-counts-empty-completions",
-     "loss_type='grpo' / 'dr_grpo' / 'luspo' average over every completion of the micro-batch, "
-     "one with no trained token counting as a sequence with loss 0; rlaudit counts only rows "
-     "with a trained token", "grpo", ("backend-parity",), ()),
-    ("trl-metrics-per-microbatch",
-     "entropy, kl and clip_ratio are token means of each micro-batch, averaged over the "
-     "optimizer step's micro-batches: permuting rows inside a mini-batch changes which rows "
-     "share a micro-batch, and so the logged means; without rlaudit's microbatch-mean reduction "
-     "the reference reduces them globally; entropy-logged-when-coeff-zero and "
-     "on-policy-identities recompute the entropy globally", "metric",
-     ("row-permutation", "entropy-logged-when-coeff-zero", "on-policy-identities")
-     + (() if MICROBATCH_MEAN else ("backend-parity",)),
-     ("actor/entropy", "actor/pg_clipfrac", "actor/kl_loss", "rows permuted")),
-    ("trl-loss-summed-over-microbatches",
-     "Trainer's logged loss is the sum of what each micro-batch backpropagates (TRL's own "
-     "normalisers), while TRL's other metrics are micro-batch means; an adapter declares one "
-     "metric_reduction, so actor/loss and actor/pg_loss differ from the reference's micro-batch "
-     "mean when a step has several micro-batches (parameters are still compared strictly)",
-     "norm", ("backend-parity",), ("actor/loss", "actor/pg_loss")),
+#: TRL's deliberate choices that rlaudit's reference computes too, declared as conventions:
+#: (name, reason, cited line, convention). Every variant of a scenario run against TRL is
+#: replayed by the reference under them, so the checks stay strict. docs/peers.md, "TRL".
+CONVENTIONS = (
+    ("trl-grpo-std-eps",
+     "scale_rewards='group' divides by (group std + 1e-4); verl and rlaudit by (std + 1e-6)",
+     "eps", {"grpo_std_eps": 1e-4}),
+    ("trl-seq-mean-over-every-completion",
+     "loss_type grpo / dr_grpo / luspo take each micro-batch's mean over its completions (a "
+     "completion with no trained token counts, with loss 0) and divide by "
+     "gradient_accumulation_steps; micro-batches have equal row counts, so the optimizer step's "
+     "loss is the sequence mean over every row of the mini-batch",
+     "grpo", {"seq_count": "all-rows"}),
+    ("trl-dapo-generation-token-normaliser",
+     "loss_type dapo divides each micro-batch's token sum by num_items_in_batch (the generation "
+     "batch's trained tokens) x gradient_accumulation_steps / steps_per_generation: the batch's "
+     "tokens / its mini-batches, not the optimizer step's own token count",
+     "dapo", {"token_denominator": "batch-mean"}),
+    ("trl-gspo-sequence-gradient",
+     "importance_sampling_level='sequence' (GSPO) takes exp of the sequence's mean log-ratio "
+     "and differentiates through that mean (GSPO's sequence-level objective), not per token "
+     "(GSPO-token, verl)", "sequence", {"gspo_gradient": "sequence"}),
 )
 
 
-def declared_checks() -> set[str]:
-    """Every run-level check some declared difference covers."""
-    return {c for *_, checks, _cases in DIFFERENCES for c in checks}
+#: what remains a declared difference (reported "differs"), each narrowed to the problems it
+#: explains: (name, reason, cited line, checks, cases). A metric TRL has no value for under some
+#: loss types, and a clip status decided by float32 rounding.
+DIFFERENCES = (
+    ("trl-entropy-logged-as-token-mean",
+     "TRL logs entropy as each micro-batch's token mean whatever its loss_type; rlaudit's "
+     "actor/entropy is aggregated like the loss, so under the sequence-mean loss types (grpo, "
+     "dr_grpo, luspo) the adapter does not report it (the entropy values themselves are "
+     "compared per token: TrainStepOutput.entropy)",
+     "metric", ("backend-parity",),
+     ("metric actor/entropy missing", "only in one run ['actor/entropy']")),
+    ("trl-clip-fraction-of-zero-advantages",
+     "TRL computes GRPO advantages in float32: a completion scoring exactly its group's mean "
+     "gets advantage 0, where the float64 reference gets the rounding of the float32 scores' "
+     "mean (~1e-8, e.g. -1.5e-8 in trl_gradacc_uneven); TRL and rlaudit both count a token as "
+     "clipped only for a strictly signed advantage, so such a token's clip status, and the "
+     "logged clip fraction, is decided by rounding (loss and update are unaffected: the token's "
+     "weight is ~1e-8)",
+     "advantages", ("backend-parity",), ("actor/pg_clipfrac =",)),
+)
 
 
 def declared_differences(version: str) -> tuple:
-    """:data:`DIFFERENCES` as the API's ``Difference`` objects, each linked to the code it
-    comes from at the pinned tag. None has a reference convention yet, so a check they cover
-    that would fail is reported "differs", never "pass"."""
-    if Difference is None:
-        return ()
+    """:data:`CONVENTIONS` as the API's ``Difference`` objects with their reference convention
+    (the run level computes every variant under them: ``checks`` is every check), then
+    :data:`DIFFERENCES`; each linked to the code it comes from at the pinned tag."""
     lines = _LINES.get(version, _LINES["1.16.0"])
     at = TRL_ORIGIN.format(v=version if version in _LINES else "1.16.0") + "#L{}"
-    return tuple(Difference(name, reason=reason, link=at.format(lines[key]), checks=checks,
-                            cases=cases)
-                 for name, reason, key, checks, cases in DIFFERENCES)
+    return tuple(Difference(name, reason=reason, link=at.format(lines[key]), checks=("*",),
+                            convention=convention)
+                 for name, reason, key, convention in CONVENTIONS) + tuple(
+        Difference(name, reason=reason, link=at.format(lines[key]), checks=checks, cases=cases)
+        for name, reason, key, checks, cases in DIFFERENCES)
+
+
+def kl_link(version: str) -> str:
+    lines = _LINES.get(version, _LINES["1.16.0"])
+    return TRL_ORIGIN.format(v=version if version in _LINES else "1.16.0") + f"#L{lines['kl']}"
+
+
+def entropy_bonus_link(version: str) -> str:
+    lines = _LINES.get(version, _LINES["1.16.0"])
+    return (TRL_ORIGIN.format(v=version if version in _LINES else "1.16.0")
+            + f"#L{lines['entropy_bonus']}")

@@ -101,9 +101,10 @@ class VerlAdapter(TargetAdapter):
     name = "verl"
     precision = "float32"
     #: verl's clip/KL metrics (pg_clipfrac, pg_clipfrac_lower, ppo_kl) are each micro-batch's
-    #: local mean, reduced by mean (``AggregationType.MEAN`` in verl/workers/utils/losses.py;
-    #: ``append_to_dict`` + mean in the 0.7 dp_actor)
-    metric_reduction = "microbatch-mean"
+    #: local mean, reduced by mean (``AggregationType.MEAN`` in verl/workers/utils/losses.py,
+    #: verl PR #4778); ``actor/pg_loss`` is the loss value, reduced by sum
+    #: (``AggregationType.SUM``) whenever global counts are given: a contribution
+    metric_reduction = {"actor/pg_loss": "contribution", "*": "microbatch-mean"}
     advantage_estimators = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus",
                             "reinforce_plus_plus_baseline")
     loss_modes = ("vanilla", "gspo", "cispo")
@@ -228,19 +229,21 @@ class VerlAdapter(TargetAdapter):
     def policy_loss(self, *, old_log_prob, log_prob, advantages, response_mask, loss_mode,
                     loss_agg_mode, clip_ratio_low, clip_ratio_high, clip_ratio_c,
                     denominators=None):
-        """The registered policy loss as the trainer calls it (verl/workers/utils/losses.py:
-        ``response_mask`` as bool). Metrics: verl's ``pg_metrics`` (each a local masked mean
-        over this call's tokens). ``actor/pg_loss`` (logged by verl as the loss value, a SUM
-        contribution under global counts, unlike the other metrics) is not repeated here: it
-        is the returned loss, compared as such."""
+        """The registered policy loss as the trainer calls it (verl/workers/utils/losses.py::
+        ``ppo_loss``: ``response_mask`` as bool). Metrics as ``ppo_loss`` logs them: verl's
+        ``pg_metrics`` (each a local masked mean over this call's tokens) and ``actor/pg_loss``,
+        the loss value itself (summed over micro-batches under global counts: a contribution,
+        :attr:`metric_reduction`)."""
         fn = self.core.get_policy_loss_fn(loss_mode)
         config = self._actor_config(loss_mode, loss_agg_mode, clip_ratio_low, clip_ratio_high,
                                     clip_ratio_c, denominators)
         loss, metrics = fn(old_log_prob=self._f32(old_log_prob), log_prob=self._f32(log_prob),
                            advantages=self._f32(advantages), response_mask=response_mask.bool(),
                            loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=None)
-        return loss, {k: float(v) for k, v in metrics.items()
-                      if k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")}
+        out = {k: float(v) for k, v in metrics.items()
+               if k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")}
+        out["actor/pg_loss"] = float(loss.detach())     # ppo_loss: metrics["actor/pg_loss"]
+        return loss, out
 
     # ---- micro-batching ----------------------------------------------------------------------
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,

@@ -307,6 +307,7 @@ def layout_checks(info, layouts: list[tuple[int, int]], optimizer: bool = True) 
 
     out: dict = {"seconds": {}}
     t0 = time.perf_counter()
+    compat.REDIRECTS.clear()  # this run's redirects only (a warm pool's rank ran others before)
     for tp, pp in layouts:
         compat.init_megatron(tp=tp, pp=pp, seed=7)
         res: dict = {"patches": compat.apply_cpu_patches(), "rng": _rng_tracker_check(7)}

@@ -1,7 +1,8 @@
 """The Megatron backend vs the reference backend (an independent engine: HF model, torch autograd
 and torch optimizers in one process) on the same weights and rollout, float64.
 
-One spawned group per layout (tp, pp, dp) in (1,1,1), (2,1,1), (1,2,1), (1,1,2); each replays
+One group per world size (the session's warm pool) runs the layouts (tp, pp, dp) in (1,1,1),
+(2,1,1), (1,2,1), (1,1,2); each replays
 the variants of megatron_backend_ranks.VARIANTS (all at TP, a subset at PP/DP) and is checked by a
 single test item, so pytest-xdist can never launch a layout twice. Per variant: per-token
 log-probs/entropy/derived fields, every golden metric per step, the exact metric-name set,
@@ -186,7 +187,7 @@ def diff_summary(runs, want_runs, mask) -> dict[str, tuple[float, float]]:
 @needs_megatron
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_megatron_matches_reference(layout, batch, reference):
-    from rlaudit.backends.launch import launch
+    from rlaudit.backends.launch.pool import run_ranks
     from rlaudit.backends.reference import ReferenceBackend
 
     sizes = parse_layout(LAYOUTS[layout])
@@ -195,7 +196,9 @@ def test_megatron_matches_reference(layout, batch, reference):
     requests = [R.request(batch, LAYOUTS[layout], LAYOUT_VARIANTS[layout])] + [r for _, r, _ in
                                                                               extra]
     t0 = time.perf_counter()
-    per_rank = launch(R.replay_many, world, args=(requests,), timeout=LAUNCH_TIMEOUT_S)
+    # the session's warm megatron pool when there is one (replay_in_rank sets up each layout)
+    per_rank = run_ranks(R.replay_many, world, pool="megatron", args=(requests,),
+                         timeout=LAUNCH_TIMEOUT_S)
     seconds = time.perf_counter() - t0
     results = [merge_ranks([r["runs"][i] for r in per_rank], sizes) for i in range(len(requests))]
     runs, mask = results[0], batch.mask

@@ -1,4 +1,5 @@
-"""compat: version gate, CUDA no-op, and the two patch mechanisms, without importing megatron.
+"""compat: version gate, CUDA no-op, and the two patch mechanisms, without importing megatron;
+and (importing it) the blocker that keeps megatron-core's own context parallelism off CPU.
 
 The patches applied to a real megatron-core (idempotency, RNG tracker streams, TP/PP/DP runs that
 only work with them) are checked inside the spawned ranks of test_megatron_parity.py.
@@ -76,3 +77,24 @@ def test_init_megatron_checks_its_arguments():
     if not torch.distributed.is_initialized():
         with pytest.raises(InputError, match="init_process_group"):
             compat.init_megatron(tp=1, pp=1)
+
+
+def test_context_parallel_is_refused_without_transformer_engine():
+    """docs/internals.md, "Context parallelism": megatron-core 0.16.1's local attention refuses
+    CP, and CP attention needs TransformerEngine (no CPU build). Fails when that changes, so the
+    Megatron backend can get real CP instead of the shared step's simulation."""
+    pytest.importorskip("megatron.core")
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("TransformerEngine is installed: megatron CP may run here")
+    except ImportError:
+        pass
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=2,
+                            context_parallel_size=2, use_cpu_initialization=True)
+    with pytest.raises(AssertionError, match="only supported by TEDotProductAttention"):
+        DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                            attention_type="self")

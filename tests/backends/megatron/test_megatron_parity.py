@@ -42,10 +42,12 @@ VARIANTS = [ranks.variant_name(a, o) for a, o in ranks.MODEL_VARIANTS]
 
 @pytest.fixture(scope="module")
 def world2():
-    from rlaudit.backends.launch import launch
+    from rlaudit.backends.launch.pool import run_ranks
 
-    return launch(ranks.layout_checks, 2, args=([(2, 1), (1, 2), (1, 1)],),
-                  timeout=LAUNCH_TIMEOUT_S)
+    # the session's warm megatron pool, shared with the backend tests (layout_checks sets up and
+    # tears down each layout, and counts the CPU redirects of its own run only)
+    return run_ranks(ranks.layout_checks, 2, pool="megatron", args=([(2, 1), (1, 2), (1, 1)],),
+                     timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -71,9 +71,13 @@ def test_skyrl_0_4_0_passes_with_its_conventions_declared(tmp_path):
     assert got["policy_loss:row-permutation"] == "pass"
     assert got["policy_loss:masked-values"] == "pass"
     assert got["policy_loss:global-split"] == "n/a"     # SkyRL scales per mini-batch it holds
-    # documented conventions: reported as differs, not as pass, so a reader sees them
+    # N_seq over every row (sequence_mean, seq_mean_token_sum_norm): a declared convention the
+    # reference computes too, so the check is strict and passes
+    assert got["policy_loss:parity"] == "pass"
+    # the two differences without a reference convention: reported as differs, naming them
     assert got["compute_advantages:parity"] == "differs"
-    assert got["policy_loss:parity"] == "differs"
+    assert set(checks["compute_advantages:parity"]["details"]["differences"]) == {
+        "rloo-singleton-zero", "recursions-through-loss-masked-tokens"}
     assert got["agg_loss:parity"] == "n/a" and got["train_step:no-input-mutation"] == "n/a"
 
 
@@ -83,6 +87,7 @@ def test_skyrl_with_pre_1811_padding_fails_padding_complete_naming_the_field(tmp
     rc, checks, _ = run_cli(tmp_path, f"skyrl=={VERSION}", driver=PRE_1811)
     failed = {n for n, c in checks.items() if c["status"] in ("fail", "error")}
     assert rc == 1
-    assert failed == {"make_microbatches:padding-complete"}
+    # padding-complete, and independently the loss over the micro-batches (issue #12 item 6)
+    assert failed == {"make_microbatches:padding-complete", "make_microbatches:loss-sums-to-batch"}
     msg = checks["make_microbatches:padding-complete"]["message"]
     assert "rollout_log_probs" in msg, msg

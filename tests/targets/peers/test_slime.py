@@ -36,7 +36,14 @@ def test_slime_after_2114_passes(tmp_path):
     assert got["apply_kl_in_reward:no-mutation"] == "pass"
     assert got["kl_penalty:parity"] == "pass"
     assert got["policy_loss:masked-values"] == "pass"
-    assert got["policy_loss:parity"] == "differs"       # declared: denominators, GSPO gradient
+    # declared, without a reference convention: the per-token normaliser counting an empty
+    # sample as one token (token-mean, ragged); the per-sample mean over every sample
+    # (seq_count) and GSPO's sequence-level gradient (gspo_gradient) are conventions: strict
+    assert got["policy_loss:parity"] == "differs"
+    assert set(checks["policy_loss:parity"]["details"]["differences"]) == {
+        "per-token-normaliser-counts-empty-samples"}
+    assert set(checks["policy_loss:global-split"]["details"]["differences"]) == {
+        "per-token-normaliser-counts-empty-samples"}
 
 
 @pytest.mark.slow
@@ -45,7 +52,10 @@ def test_slime_before_2114_fails_stored_kl_unaltered_only(tmp_path):
     rc, checks, _ = run_cli(tmp_path, f"slime=={BEFORE}")
     failed = {n for n, c in checks.items() if c["status"] in ("fail", "error")}
     assert rc == 1
-    assert failed == {"apply_kl_in_reward:stored-kl-unaltered"}
+    # the one bug, seen by both KL-in-reward checks: the stored KL was overwritten with the
+    # shaped reward, so it is neither the KL estimate nor what the rewards were built from
+    assert failed == {"apply_kl_in_reward:stored-kl-unaltered",
+                      "apply_kl_in_reward:rewards-from-stored-kl"}
     assert "stored kl" in checks["apply_kl_in_reward:stored-kl-unaltered"]["message"]
 
 

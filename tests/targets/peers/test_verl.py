@@ -78,6 +78,8 @@ def test_verl_091(tmp_path):
     # GSPO on-policy, losses -1, -1 (row 0) and -4 (row 1): token-mean -6/3, seq-mean -(1+4)/2
     assert out["gspo_token-mean"] == pytest.approx(-2.0, abs=1e-6)
     assert out["gspo_seq-mean-token-mean"] == pytest.approx(-2.5, abs=1e-6)
+    # loss and logged pg_loss: the micro-batch's contribution -6 / 6, not its local mean -6 / 3
+    assert out["vanilla_contribution"] == pytest.approx([-1.0, -1.0], abs=1e-6)
     assert math.isnan(out["agg_empty_local"]) and out["agg_empty_global"] == 0.0
     assert out["k3plus"] == pytest.approx(K3PLUS, rel=1e-6)
     ranks = out["microbatches_per_rank"]

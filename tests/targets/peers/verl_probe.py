@@ -49,6 +49,14 @@ def main(version: str) -> dict:
                                 response_mask=mask, loss_mode="gspo", loss_agg_mode=agg,
                                 clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
         out[f"gspo_{agg}"] = float(loss)
+    # vanilla on-policy (loss -A per token) as one micro-batch of a mini-batch of 6 valid
+    # tokens: its contribution -(1 + 1 + 4) / 6 is the loss and the logged actor/pg_loss
+    loss, metrics = a.policy_loss(old_log_prob=lp, log_prob=lp.clone(), advantages=adv,
+                                  response_mask=mask, loss_mode="vanilla",
+                                  loss_agg_mode="token-mean", clip_ratio_low=0.2,
+                                  clip_ratio_high=0.28, clip_ratio_c=3.0,
+                                  denominators=Denominators(tokens=6, seqs=4, norm_len=2))
+    out["vanilla_contribution"] = [float(loss), float(metrics["actor/pg_loss"])]
 
     # agg_loss on a batch without a valid token: local counts vs global ones
     empty = dict(loss_mat=torch.tensor([[1.0, 2.0]], **f64), mask=torch.tensor([[False, False]]),

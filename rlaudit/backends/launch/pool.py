@@ -1,0 +1,333 @@
+"""Warm rank pools: a multi-rank group spawned once and reused for many tasks.
+
+Spawning a group costs seconds (each rank imports torch, transformers, megatron; the group meets
+at the rendezvous) while a scenario's replay on tiny models costs less. Inside
+:func:`warm_pools`, :func:`run_ranks` sends each task to a pool kept per (name, world size,
+device, backend, threads, env) instead of spawning a group for it::
+
+    from rlaudit.backends.launch.pool import run_ranks, warm_pools
+
+    with warm_pools() as pools:              # `rlaudit run`, and a pytest session, do this
+        for request in requests:             # every request reuses the same two ranks
+            per_rank = run_ranks(_rank_main, 2, pool="fsdp", args=(request,))
+    pools.stats                              # {"spawned": 1, "tasks": N, "respawned": 0}
+
+Outside :func:`warm_pools`, :func:`run_ranks` is exactly :func:`~rlaudit.backends.launch.launch`.
+
+Same contract as ``launch``: ``fn`` importable, ``fn(info, *args, **kwargs)`` on every rank with
+the default process group up, results in rank order on the CPU, and
+:class:`~rlaudit.errors.RankFailure` (every rank's traceback, exit code, stacks and log tail,
+causes first) when a rank raises, dies or is still running after ``timeout`` -- counted from
+when the task was sent, since the ranks are already up. A failed task takes its group down: the
+failure is reported for that task, and the next task gets a freshly spawned group. Between tasks
+each rank restores its process state (``_pool_worker``), so a task's result does not depend on
+what ran before it in the same pool.
+
+Tasks of one pool run one at a time (a lock); different pools may run concurrently.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from rlaudit.backends.launch import (_check_arguments, _check_env, _describe, _no_main_reimport,
+                                     _pickle_payload, _spec, _warn_teardown, host_store, launch)
+from rlaudit.backends.launch import _group, _rendezvous
+from rlaudit.backends.launch._common import MASTER_ADDR, register_task_reset
+from rlaudit.backends.launch._group import FAILURE_GRACE_S, RankGroup
+from rlaudit.backends.launch._pool_worker import DONE, pool_rank_main
+from rlaudit.backends.launch._report import failure_message, order_outcomes
+from rlaudit.errors import InputError, RankFailure
+
+__all__ = ["PoolSet", "RankPool", "register_task_reset", "run_ranks", "warm_pools"]
+
+#: How often the supervisor looks at result files between wake-ups (an answer or an exit on the
+#: pipes wakes it at once).
+_POLL_S = 0.05
+#: How long closing a pool waits for its ranks to leave before killing them.
+_CLOSE_WAIT_S = 5.0
+
+
+class RankPool:
+    """``world_size`` ranks that stay up between tasks (see the module docstring).
+
+    ``spawned``: how many times the group was started (1 + respawns after failures)."""
+
+    def __init__(self, world_size: int, *, device: str = "cpu", backend: str | None = None,
+                 env: Mapping[str, str] | None = None, threads_per_rank: int = 1,
+                 torch_timeout: float = _group.STARTUP_TIMEOUT_S):
+        self.backend = _check_arguments(world_size, backend, device, 1.0, threads_per_rank)
+        self.world_size, self.device = world_size, device
+        # a pool's ranks are local: their gloo/NCCL sockets on loopback (launch._rendezvous)
+        self.env = {**_check_env(env),
+                    **_rendezvous.rank_socket_env(MASTER_ADDR, backend=self.backend)}
+        self.threads = threads_per_rank
+        self.torch_timeout = max(torch_timeout, _group.STARTUP_TIMEOUT_S)
+        self.spawned = 0
+        self.tasks = 0
+        self._lock = threading.Lock()
+        self._group: RankGroup | None = None
+        self._conns: list = []
+        self._pool_files: list = []
+        self._root: Path | None = None
+        self._store = None
+        self._ids = itertools.count()
+
+    @property
+    def alive(self) -> bool:
+        return self._group is not None
+
+    def run(self, fn: Callable[..., Any], *, args: tuple = (),
+            kwargs: Mapping[str, Any] | None = None, timeout: float = 300.0) -> list[Any]:
+        """Run ``fn(info, *args, **kwargs)`` on every rank of the pool; results in rank order."""
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            _check_arguments(self.world_size, self.backend, self.device, timeout, self.threads)
+        if getattr(fn, "__module__", None) == "__main__":
+            raise InputError(f"{_describe(fn)}: a warm pool's ranks do not import the main "
+                             "script (they outlive it); put fn in a module, or use launch()",
+                             source="run_ranks()", key="fn")
+        payload = _pickle_payload(fn, args, kwargs)
+        with self._lock:
+            if self._group is None:
+                self._start(fn)
+            self.tasks += 1
+            return self._run_task(payload, _describe(fn), timeout)
+
+    def close(self) -> None:
+        """Ask the ranks to leave, kill what is left, remove the pool's folder. Idempotent."""
+        with self._lock:
+            self._shutdown()
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _start(self, fn) -> None:
+        self._root = Path(tempfile.mkdtemp(prefix="rlaudit-pool-"))
+        self._store = host_store(self.torch_timeout)  # the launcher's rendezvous, kept open
+        specs = [_spec(r, self.world_size, self.device, self.backend, self._root,
+                       self._store.port, self.torch_timeout, self.threads, self.env)
+                 for r in range(self.world_size)]
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in specs]
+        self._conns = [parent for parent, _ in pipes]
+        group = RankGroup(specs, None, target=pool_rank_main,
+                          extra_args=[(child,) for _, child in pipes], name="rlaudit-pool-rank")
+        self._pool_files = list(group.files)
+        self._group = group
+        self.spawned += 1
+        try:
+            with _no_main_reimport(fn):  # fn is never from __main__ here (see run)
+                group.start()
+            for _, child in pipes:
+                child.close()  # the ranks hold their ends; EOF here means a rank is gone
+            why = self._wait_ready()
+        except BaseException:
+            self._shutdown()
+            raise
+        if why != "ready":
+            self._fail(why, fn_name="the pool's start-up", timeout=_group.STARTUP_TIMEOUT_S)
+
+    def _wait_ready(self) -> str:
+        group = self._group
+        deadline = time.monotonic() + _group.STARTUP_TIMEOUT_S
+        first_failure = None
+        while True:
+            sentinels = {group.procs[r].sentinel: r for r in group.running()}
+            exited = mp.connection.wait(list(sentinels), _POLL_S)
+            now = time.monotonic()
+            for sentinel in exited:
+                group._collect(sentinels[sentinel])
+                first_failure = first_failure or now
+            if first_failure is not None:
+                if now >= first_failure + FAILURE_GRACE_S:
+                    return "failed"
+            elif all(f.ready.exists() for f in group.files):
+                return "ready"
+            elif now >= deadline:
+                return "timeout"
+
+    def _run_task(self, payload: bytes, fn_name: str, timeout: float) -> list[Any]:
+        import torch
+
+        group = self._group
+        task_id = next(self._ids)
+        task_dir = self._root / f"task{task_id}"
+        (task_dir / "scratch").mkdir(parents=True)
+        group.files = [f.for_task(task_dir, r) for r, f in enumerate(self._pool_files)]
+        message = pickle.dumps(("task", task_id, str(task_dir), payload))
+        try:
+            for conn in self._conns:
+                conn.send_bytes(message)
+        except (BrokenPipeError, OSError):
+            pass  # a rank is gone: supervision reports it
+        why = self._supervise(timeout)
+        if why != "done":
+            self._fail(why, fn_name=fn_name, timeout=timeout)
+        try:
+            results = [torch.load(f.result, map_location="cpu", weights_only=False)
+                       for f in group.files]
+        finally:
+            shutil.rmtree(task_dir, ignore_errors=True)
+        if group.exitcodes:  # a rank left after delivering: the results stand, the group does not
+            _warn_teardown(group)
+            self._shutdown()
+        return results
+
+    def _supervise(self, timeout: float) -> str:
+        """Wait until every rank has answered (result complete, process state restored):
+        ``done``; ``failed`` (a rank exited without a result, plus the grace for the others' own
+        errors) or ``timeout`` (a rank still running ``fn`` or its reset)."""
+        group = self._group
+        deadline = time.monotonic() + timeout
+        first_failure = None
+        answered: set[int] = set()
+        while True:
+            running = group.running()
+            sentinels = {group.procs[r].sentinel: r for r in running}
+            conns = {self._conns[r]: r for r in running if r not in answered}
+            woke = mp.connection.wait([*sentinels, *conns], _POLL_S)
+            now = time.monotonic()
+            for obj in woke:
+                if obj in conns:
+                    with contextlib.suppress(EOFError, OSError):
+                        if obj.recv_bytes().startswith(DONE):
+                            answered.add(conns[obj])
+                    continue
+                rank = sentinels[obj]
+                group._collect(rank)
+                if group.has_result(rank):
+                    answered.add(rank)  # left after delivering: the result stands
+                else:
+                    first_failure = first_failure or now
+            if len(answered) == self.world_size:
+                return "done"
+            if first_failure is not None:
+                if now >= first_failure + FAILURE_GRACE_S:
+                    return "failed"
+            elif now >= deadline:
+                return "timeout"
+
+    def _fail(self, why: str, *, fn_name: str, timeout: float) -> None:
+        """Kill the group (stacks first for ranks without a result) and raise RankFailure."""
+        group = self._group
+        try:
+            group.stop("timeout" if why == "timeout" else "terminated")
+            outcomes = order_outcomes(group.outcomes())
+        finally:
+            self._shutdown()
+        exc = RankFailure(failure_message(outcomes, fn_name=fn_name, world_size=self.world_size,
+                                          timeout=timeout,
+                                          startup_timeout=_group.STARTUP_TIMEOUT_S))
+        exc.outcomes = outcomes
+        raise exc
+
+    def _shutdown(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            message = pickle.dumps(("close",))
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(message)
+            until = time.monotonic() + _CLOSE_WAIT_S
+            while (running := group.running()) and time.monotonic() < until:
+                # map before waiting: a collected process is closed and has no sentinel
+                sentinels = {group.procs[r].sentinel: r for r in running}
+                for sentinel in mp.connection.wait(list(sentinels), _POLL_S):
+                    group._collect(sentinels[sentinel])
+            group.kill_all()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+        self._conns = []
+        self._store = None  # closes the rendezvous port
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+
+
+class PoolSet:
+    """The warm pools of one invocation (or one pytest worker), created on first use."""
+
+    def __init__(self):
+        self._pools: dict[tuple, RankPool] = {}
+        self._lock = threading.Lock()
+
+    def pool(self, name: str, world_size: int, *, device: str = "cpu",
+             backend: str | None = None, env: Mapping[str, str] | None = None,
+             threads_per_rank: int = 1, timeout: float = 300.0) -> RankPool:
+        key = (name, world_size, device, backend, threads_per_rank,
+               tuple(sorted((env or {}).items())))
+        with self._lock:
+            if key not in self._pools:
+                self._pools[key] = RankPool(world_size, device=device, backend=backend, env=env,
+                                            threads_per_rank=threads_per_rank,
+                                            torch_timeout=timeout)
+            return self._pools[key]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        pools = list(self._pools.values())
+        spawned = sum(p.spawned for p in pools)
+        return {"pools": len(pools), "spawned": spawned, "tasks": sum(p.tasks for p in pools),
+                "respawned": spawned - sum(1 for p in pools if p.spawned)}
+
+    def close(self) -> None:
+        for p in list(self._pools.values()):
+            p.close()
+
+
+_ACTIVE: list[PoolSet] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def warm_pools() -> Iterator[PoolSet]:
+    """Within this block, :func:`run_ranks` reuses warm pools; they are closed on leaving it."""
+    pools = PoolSet()
+    with _ACTIVE_LOCK:
+        _ACTIVE.append(pools)
+    try:
+        yield pools
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.remove(pools)
+        pools.close()
+
+
+def active() -> PoolSet | None:
+    """The innermost active :class:`PoolSet`, or None."""
+    with _ACTIVE_LOCK:
+        return _ACTIVE[-1] if _ACTIVE else None
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *, pool: str, args: tuple = (),
+              kwargs: Mapping[str, Any] | None = None, backend: str | None = None,
+              device: str = "cpu", timeout: float = 300.0, env: Mapping[str, str] | None = None,
+              threads_per_rank: int = 1) -> list[Any]:
+    """:func:`~rlaudit.backends.launch.launch`, through the warm pool named ``pool`` when a
+    :func:`warm_pools` block is active (one pool per name, world size, device, backend, threads
+    and env)."""
+    pools = active()
+    if pools is None:
+        return launch(fn, world_size, args=args, kwargs=kwargs, backend=backend, device=device,
+                      timeout=timeout, env=env, threads_per_rank=threads_per_rank)
+    return pools.pool(pool, world_size, device=device, backend=backend, env=env,
+                      threads_per_rank=threads_per_rank, timeout=timeout).run(
+        fn, args=args, kwargs=kwargs, timeout=timeout)
+
+
+@atexit.register
+def _close_all() -> None:  # a pytest worker or CLI that never left its block: no orphans
+    for pools in list(_ACTIVE):
+        pools.close()
+

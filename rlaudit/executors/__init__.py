@@ -1,0 +1,138 @@
+"""Where ``rlaudit run`` carries out its scenario x backend jobs.
+
+    local   this machine, two scenarios in flight; multi-rank backends reuse warm rank pools
+            (rlaudit/backends/launch/pool.py) for the whole invocation (the default)
+    ray     Ray tasks and actors: every multi-rank job a placement group with one bundle per rank,
+            the reference replays Ray tasks; a local Ray cluster, or ``--ray-address``
+
+Both run each scenario through :func:`rlaudit.scenarios.engine.run_scenario`, handing it a
+``replay(backend, request)`` that carries out one backend's replay: the variants, invariants,
+goldens and reports are the same code whichever executor runs, only where the replays happen
+differs. ``Executor.map(scenarios, run_one)`` yields ``(scenario, result)`` in the scenarios'
+order, where ``run_one(scenario, replay)`` returns the scenario's result.
+
+    with make_executor("local", scenarios, backends=None) as ex:
+        for scn, res in ex.map(scenarios, lambda scn, replay: run_scenario(scn, replay=replay)):
+            ...
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+from rlaudit.executors.progress import Progress
+
+EXECUTORS = ("local", "ray")
+#: Intra-op threads of the process that replays the reference backend and checks invariants:
+#: 1, as in every rank and in the test suite. float64 results differ in the last bit between
+#: thread counts, so a fixed count keeps them the same on every machine; and on a busy 2-core
+#: machine two threads contending made the in-process reference replays several times slower.
+#: RLAUDIT_THREADS overrides it.
+DEFAULT_THREADS = 1
+
+
+def process_threads() -> int:
+    import os
+
+    value = os.environ.get("RLAUDIT_THREADS", str(DEFAULT_THREADS))
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        from rlaudit.errors import InputError
+
+        raise InputError(f"expected an integer >= 1, got {value!r}", source="environment",
+                         key="RLAUDIT_THREADS")
+    return threads
+
+
+def job_count(scenarios, backends: list[str] | None) -> int:
+    """How many scenario x backend replays ``run_scenario`` will do (for the progress line)."""
+    from rlaudit.scenarios.engine import planned_backends
+
+    return sum(len(planned_backends(scn, backends)[0]) for scn in scenarios)
+
+
+#: Scenarios the local executor keeps in flight: two, so that one scenario's in-process work
+#: (reference replay, checks: one core) overlaps another's multi-rank replay (the ranks).
+LOCAL_JOBS = 2
+
+
+class LocalExecutor:
+    """Scenarios on this machine, ``jobs`` at a time (threads; results in scenario order).
+    Multi-rank replays go to the warm pools of the enclosing
+    :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds one; a pool serves one
+    task at a time); in-process replays (the reference backend) run one at a time, as each seeds
+    the process's RNG. Results do not depend on ``jobs``: every replay is isolated."""
+
+    name = "local"
+
+    def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS):
+        self.progress = progress
+        self.jobs = max(1, jobs)
+        self.progress.parallel = self.jobs
+        self._in_process = threading.Lock()
+
+    def __enter__(self) -> "LocalExecutor":
+        import torch
+
+        from rlaudit.cli.quiet import quiet_loggers
+
+        torch.set_num_threads(process_threads())
+        quiet_loggers()  # torch's own log handler: its warnings go to the run's log file
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.close()
+
+    def map(self, scenarios, run_one: Callable) -> Iterator[tuple]:
+        if self.jobs == 1:
+            for scn in scenarios:
+                yield scn, run_one(scn, self._replayer(scn.name))
+            return
+        with concurrent.futures.ThreadPoolExecutor(self.jobs,
+                                                   thread_name_prefix="rlaudit-job") as threads:
+            futures = [threads.submit(run_one, scn, self._replayer(scn.name))
+                       for scn in scenarios]
+            try:
+                for scn, future in zip(scenarios, futures):
+                    yield scn, future.result()
+            finally:
+                for f in futures:
+                    f.cancel()
+
+    def _replayer(self, scenario: str):
+        def replay(backend, request):
+            multi_rank = backend.name != "reference"
+            with contextlib.nullcontext() if multi_rank else self._in_process:
+                self.progress.start(scenario, backend.name)
+                try:
+                    return backend.replay(request)
+                finally:
+                    self.progress.finish(scenario, backend.name)
+        return replay
+
+
+def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
+                  progress: bool = True, ray_address: str | None = None,
+                  jobs: int = LOCAL_JOBS):
+    """The executor called ``name`` (see :data:`EXECUTORS`) with a progress display over the
+    scenarios' jobs."""
+    total = job_count(scenarios, backends)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        from rlaudit.errors import InputError
+
+        raise InputError(f"expected an integer >= 1, got {jobs!r}", key="--jobs")
+    if name == "ray":
+        from rlaudit.executors.ray_executor import RayExecutor
+
+        return RayExecutor(total, address=ray_address, progress=progress,
+                           gpu=any(scn.device == "cuda" for scn in scenarios))
+    return LocalExecutor(Progress(total, enabled=progress), jobs=jobs)
+
+
+__all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor"]

@@ -1,0 +1,124 @@
+"""``rlaudit run --executor ray``: scenario x backend jobs on a Ray cluster.
+
+    rlaudit run --all --executor ray                          # a local Ray cluster
+    rlaudit run --all --executor ray --ray-address auto       # the cluster this node belongs to
+    rlaudit run --all --executor ray --ray-address ray://head:10001 --device cuda
+
+What runs where:
+
+- the driver (this process) loads and validates the scenarios, builds the variants, checks the
+  invariants and goldens, writes the report and logs to MLflow -- the same code as the local
+  executor, so results, goldens, reports and MLflow runs are the same;
+- every replay runs on Ray: multi-rank backends' ``run_ranks`` calls go to warm rank groups
+  (rlaudit/executors/ray_ranks.py: one placement group per group, a bundle per rank, GPU bundles
+  with ``--device cuda``), and the reference backend's replays to one-rank groups of the same
+  kind (so a reference replay, too, runs on a cluster node, with the same thread count as a
+  local run: rlaudit.executors.DEFAULT_THREADS);
+- scenarios run concurrently, as many as the cluster has room for two-rank groups (a local
+  cluster: one at a time per two cores), each scenario's backends in order.
+
+Ray starts quietly: no dashboard, workers' output not forwarded (``log_to_driver=False``), usage
+stats off (``RAY_USAGE_STATS_ENABLED=0``), its own messages into the run's log file. A local
+cluster advertises a few more logical CPUs than the machine has (:data:`LOCAL_EXTRA_CPUS`) so
+that a warm group of each backend (reference 1 rank, FSDP 2, Megatron 2) can stay up side by side
+instead of being evicted in turn. Every node of a remote cluster needs rlaudit installed and the
+scenarios' model and rollout files at the same paths as the driver (a shared checkout).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from typing import Callable, Iterator
+
+from rlaudit.backends.launch import pool as pool_mod
+from rlaudit.executors.progress import Progress
+
+#: Logical CPUs a local Ray cluster gets beyond the machine's cores (see the module docstring).
+LOCAL_EXTRA_CPUS = 4
+
+
+def _reference_in_rank(info, request, threads: int):
+    """The reference backend's replay inside a one-rank Ray group (module level: Ray imports it)."""
+    import torch
+
+    from rlaudit.backends.reference import ReferenceBackend
+
+    torch.set_num_threads(threads)
+    return ReferenceBackend().replay(request)
+
+
+class RayExecutor:
+    name = "ray"
+
+    def __init__(self, total: int, *, address: str | None = None, progress: bool = True,
+                 gpu: bool = False):
+        # like ray.init itself, RAY_ADDRESS names the cluster when --ray-address does not
+        self.address = address or os.environ.get("RAY_ADDRESS") or None
+        self.gpu = gpu
+        self.progress = Progress(total, enabled=progress)
+        self.pools = None
+        self._started_ray = False
+        self._threads = None
+
+    def __enter__(self) -> "RayExecutor":
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+        import torch
+
+        from rlaudit.cli.quiet import quiet_loggers
+        from rlaudit.executors.ray_ranks import RayPoolSet
+
+        from rlaudit.executors import process_threads
+
+        self._threads = process_threads()  # the reference replays' threads, as in-process
+        torch.set_num_threads(self._threads)  # and the driver's checks
+        quiet_loggers()
+        if not ray.is_initialized():
+            kw = {"address": self.address} if self.address else {
+                "num_cpus": (os.cpu_count() or 1) + LOCAL_EXTRA_CPUS}
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     logging_level=logging.WARNING, **kw)
+            self._started_ray = True
+        quiet_loggers()
+        self.pools = RayPoolSet()
+        with pool_mod._ACTIVE_LOCK:
+            pool_mod._ACTIVE.append(self.pools)  # run_ranks now reaches Ray
+        unit = "GPU" if self.gpu else "CPU"
+        room = ray.cluster_resources().get(unit, 1) if self.address else (os.cpu_count() or 1)
+        self.progress.parallel = max(1, int(room // 2))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        self.progress.close()
+        with pool_mod._ACTIVE_LOCK:
+            if self.pools in pool_mod._ACTIVE:
+                pool_mod._ACTIVE.remove(self.pools)
+        self.pools.close()
+        if self._started_ray:
+            ray.shutdown()
+
+    def map(self, scenarios, run_one: Callable) -> Iterator[tuple]:
+        with concurrent.futures.ThreadPoolExecutor(self.progress.parallel,
+                                                   thread_name_prefix="rlaudit-ray") as threads:
+            futures = [threads.submit(run_one, scn, self._replayer(scn.name))
+                       for scn in scenarios]
+            for scn, future in zip(scenarios, futures):
+                yield scn, future.result()
+
+    def _replayer(self, scenario: str):
+        def replay(backend, request):
+            self.progress.start(scenario, backend.name)
+            try:
+                if backend.name == "reference":
+                    return pool_mod.run_ranks(_reference_in_rank, 1, pool="reference",
+                                              args=(request, self._threads),
+                                              device=request.device, timeout=request.timeout,
+                                              threads_per_rank=self._threads)[0]
+                return backend.replay(request)
+            finally:
+                self.progress.finish(scenario, backend.name)
+        return replay

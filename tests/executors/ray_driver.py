@@ -1,0 +1,73 @@
+"""Driver for tests/executors/test_ray_executor.py, run in its own process (a Ray driver).
+
+    python ray_driver.py REPORT_DIR TRACKING_URI
+
+1. ``rlaudit run seed_stored_kl --backend fsdp --executor ray --json`` on a local Ray cluster (started here, so
+   the same cluster serves step 2); the JSON goes to REPORT_DIR/results.json.
+2. Failures on Ray rank groups: rank 1 raises; rank 1's worker dies (``os._exit``: a lost worker);
+   then a task on a fresh group. One JSON line on stdout says what was seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def sum_ranks(info, scale):
+    x = torch.tensor([float(info.rank + 1) * scale], dtype=torch.float64)
+    dist.all_reduce(x)
+    return {"sum": float(x), "pid": os.getpid()}
+
+
+def fail(info, mode):
+    if info.rank == 1:
+        if mode == "raise":
+            raise ValueError("injected failure in rank 1")
+        os._exit(7)  # the worker process vanishes: Ray reports the actor dead
+    dist.all_reduce(torch.ones(1))
+    return info.rank
+
+
+def main() -> int:
+    import ray
+
+    from rlaudit.cli.main import main as rlaudit
+    from rlaudit.errors import RankFailure
+    from rlaudit.executors.ray_ranks import RayPoolSet
+
+    report_dir, uri = sys.argv[1], sys.argv[2]
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = rlaudit(["run", "seed_stored_kl", "--backend", "fsdp", "--executor", "ray", "--json",
+                      "--report-dir", report_dir, "--tracking-uri", uri])
+    with open(os.path.join(report_dir, "results.json"), "w") as f:
+        f.write(out.getvalue())
+    seen = {"rc": rc}
+    pools = RayPoolSet()
+    handle = pools.pool("t", 2)
+    from ray_driver import fail, sum_ranks  # by module name, which Ray workers can import
+    seen["ok"] = [r["sum"] for r in handle.run(sum_ranks, args=(2.0,))]
+    for mode in ("raise", "die"):
+        try:
+            handle.run(fail, args=(mode,), timeout=120)
+            seen[mode] = "no failure"
+        except RankFailure as e:
+            seen[mode] = str(e)
+    seen["after"] = [r["sum"] for r in handle.run(sum_ranks, args=(1.0,))]
+    seen["stats"] = pools.stats
+    pools.close()
+    ray.shutdown()
+    print(json.dumps(seen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
