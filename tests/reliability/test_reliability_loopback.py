@@ -92,9 +92,15 @@ def test_an_address_this_machine_does_not_have_is_refused():
 
 
 @pytest.mark.slow
-def test_every_socket_of_a_launch_listens_on_loopback():
-    out = launch(_listening_in_rank, 2, timeout=120)
-    for r in out:
+def test_every_socket_of_a_launch_and_of_a_warm_pool_listens_on_loopback():
+    from rlaudit.backends.launch.pool import run_ranks, warm_pools
+    before = set(listening_addresses(os.getpid()))
+    with warm_pools():
+        pooled = run_ranks(_listening_in_rank, 2, pool="loopback-test", timeout=120)
+        # the pool's rendezvous store, held open in this process while the pool lives
+        held = set(listening_addresses(os.getpid())) - before
+        assert held and all(a.startswith("127.") for a in held), held
+    for r in [*launch(_listening_in_rank, 2, timeout=120), *pooled]:
         assert r["listen"], r  # gloo listens for its pairs ...
         assert all(a.startswith("127.") for a in r["listen"]), r  # ... on loopback only
         assert r["ifname"] == _rendezvous.interface_of("127.0.0.1")
