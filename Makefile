@@ -55,12 +55,13 @@ venv-gpu:
 
 # EXECUTOR=ray spreads the scenario x backend jobs over a Ray cluster (RAY_ADDRESS, else a local
 # one); .github/workflows/nightly-gpu.yml runs this target and appends the drift summary.
+# --require-golden: a scenario x backend with no golden to compare against fails the job.
 EXECUTOR ?= local
 RAY_ADDRESS ?=
 nightly-gpu:
-	$(BIN)/rlaudit run --all --device cuda --executor $(EXECUTOR) $(if $(RAY_ADDRESS),--ray-address $(RAY_ADDRESS))
+	$(BIN)/rlaudit run --all --device cuda --require-golden --executor $(EXECUTOR) $(if $(RAY_ADDRESS),--ray-address $(RAY_ADDRESS))
 	$(BIN)/python -m pytest -q -m gpu
 	$(BIN)/rlaudit report --last 7 --format md
 
 clean:
-	rm -rf $(VENV) reports/mlflow.db reports/mlartifacts reports/latest
+	rm -rf $(VENV) reports/mlflow.db reports/mlflow.db.lock reports/mlartifacts reports/latest

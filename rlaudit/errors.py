@@ -9,6 +9,8 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
+#: Ctrl-C (what had finished is still reported)
+EXIT_INTERRUPTED = 130
 
 
 class RlauditError(Exception):
@@ -53,3 +55,22 @@ class RankFailure(RlauditError, RuntimeError):
     """A rank of a multi-process group raised, died, or did not finish within its timeout."""
 
     exit_code = EXIT_CHECK_FAILED
+
+
+class InputErrors(InputError):
+    """Several input problems found together (the validation pass of an invocation), each an
+    :class:`InputError` naming its file and key; the message lists them all, one per line.
+    :func:`raise_problems` raises a lone problem as itself."""
+
+    def __init__(self, problems: list[InputError], *, header: str = "input problems"):
+        self.problems = list(problems)
+        lines = [f"{len(self.problems)} {header}:"] + [f"  {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def raise_problems(problems: list[InputError], *, header: str = "input problems") -> None:
+    """Nothing if ``problems`` is empty; the problem itself if there is one; else InputErrors."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise InputErrors(problems, header=header)

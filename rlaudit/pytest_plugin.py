@@ -3,7 +3,8 @@
     pytest scenarios/                          every scenario file, one item per scenario x backend
     pytest scenarios/ -n auto                  in parallel (pytest-xdist)
     pytest scenarios/seed_entropy_coeff_zero.yaml --rlaudit-backend fsdp
-    pytest scenarios/ --rlaudit-bless          regenerate goldens (items fail: review the diff)
+    pytest scenarios/ --rlaudit-bless          regenerate goldens (items fail: review the diff;
+                                               refused for an item whose own checks fail)
 
 A YAML file is collected when it has a top-level ``invariants`` key (a scenario); item ids read
 ``scenarios/<file>.yaml::<scenario>[<backend>]``. An item runs the scenario on its backend (plus
@@ -30,6 +31,9 @@ def pytest_addoption(parser):
                     help="golden files directory, relative to the rootdir (default: %(default)s)")
     group.addoption("--rlaudit-bless", action="store_true",
                     help="regenerate golden files from this run (items still fail)")
+    group.addoption("--rlaudit-require-golden", action="store_true",
+                    help="an item without a golden to compare against fails (default: it passes "
+                         "on its invariants)")
     group.addoption("--rlaudit-fresh-ranks", action="store_true",
                     help="spawn a process group for every multi-rank replay instead of reusing "
                          "the session's warm rank pools")
@@ -114,7 +118,7 @@ class ScenarioItem(pytest.Item):
         ok, why = get_backend(self.backend).available()
         if not ok:
             pytest.skip(f"backend {self.backend} unavailable: {why}")
-        from rlaudit.scenarios.golden import compare_or_bless
+        from rlaudit.scenarios.golden import bless_blocker, compare_or_bless
         backends = ["reference"] if self.backend == "reference" else ["reference", self.backend]
         res = run_scenario(self.scenario, backends=backends, golden_dir=None)
         # the reference backend's own item reports its checks; this item reports its backend's
@@ -124,9 +128,14 @@ class ScenarioItem(pytest.Item):
             golden_dir = Path(self.config.getoption("rlaudit_golden_dir"))
             if not golden_dir.is_absolute():
                 golden_dir = Path(self.config.rootpath) / golden_dir
+            bless = self.config.getoption("rlaudit_bless")  # refused if this item's checks fail
             res.golden = compare_or_bless(self.scenario, {self.backend: res.runs[self.backend]},
-                                          golden_dir, bless=self.config.getoption("rlaudit_bless"))
-        if not res.passed:
+                                          golden_dir, bless=bless,
+                                          refuse=bless_blocker(res) if bless else None)
+        from rlaudit.scenarios.result import NO_GOLDEN_STATE, PASSED
+        allowed = {PASSED} | (set() if self.config.getoption("rlaudit_require_golden")
+                              else {NO_GOLDEN_STATE})
+        if res.state not in allowed:
             raise ScenarioFailed(render_result(res))
 
     def repr_failure(self, excinfo, style=None):

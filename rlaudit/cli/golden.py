@@ -1,6 +1,7 @@
 """``rlaudit golden``: explicit golden regeneration and tolerance calibration.
 
-    rlaudit golden bless SCENARIO... | --all [--backend B]   regenerate (still exits 1: review)
+    rlaudit golden bless SCENARIO... | --all [--backend B]   regenerate (still exits 1: review);
+                                                             refused where the run's own checks fail
     rlaudit golden calibrate SCENARIO --runs N [--write]      propose tolerances from the spread
 """
 
@@ -21,6 +22,9 @@ def add_parser(sub) -> None:
     b.add_argument("scenarios", nargs="*")
     b.add_argument("--all", action="store_true")
     b.add_argument("--backend", action="append", dest="backends", metavar="NAME")
+    b.add_argument("--force", action="store_true",
+                   help="bless even when an invariant failed or a backend crashed in this run "
+                        "(refused otherwise: nothing is written)")
     add_location_args(b)
     b.set_defaults(func=bless)
     c = gsub.add_parser("calibrate", help="repeat a scenario and propose per-metric tolerances")
@@ -35,18 +39,29 @@ def add_parser(sub) -> None:
 
 def bless(args) -> int:
     from rlaudit.report.console import render_result
-    from rlaudit.scenarios.engine import run_scenario
-    from rlaudit.scenarios.spec import load_scenario
     from rlaudit.backends.launch.pool import warm_pools
+    from rlaudit.scenarios.outcome import exit_code, run_isolated
+    from rlaudit.scenarios.result import BLESSED, REFUSED
+    from rlaudit.scenarios.validate import validate_invocation
     paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
+    scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir)
+    results = []
     with warm_pools():  # one spawn per multi-rank layout for all the scenarios
-        for scn in [load_scenario(p) for p in paths]:
-            res = run_scenario(scn, backends=args.backends, golden_dir=args.golden_dir,
-                               bless=True)
-            print(render_result(res))
-    print("goldens regenerated: review `git diff golden/` before committing; this run exits 1 so "
-          "that a bless never passes CI by accident", file=sys.stderr)
-    return EXIT_CHECK_FAILED
+        for scn in scenarios:
+            res = run_isolated(scn, backends=args.backends, golden_dir=args.golden_dir,
+                               bless=True, force=args.force)
+            results.append(res)
+            print(render_result(res), flush=True)
+    blessed = [r.scenario for r in results if any(g.status == BLESSED for g in r.golden)]
+    refused = [r.scenario for r in results if any(g.status == REFUSED for g in r.golden)]
+    if blessed:
+        print(f"goldens regenerated for {len(blessed)} scenario(s): review `git diff "
+              f"{args.golden_dir}/` before committing; this run exits 1 so that a bless never "
+              "passes CI by accident", file=sys.stderr)
+    if refused:
+        print(f"rlaudit: bless refused for {', '.join(refused)} (nothing written): its own "
+              "checks failed in this run; fix them, or pass --force", file=sys.stderr)
+    return max(exit_code(results), EXIT_CHECK_FAILED)
 
 
 def calibrate(args) -> int:

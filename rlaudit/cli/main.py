@@ -18,7 +18,7 @@ import importlib
 import sys
 
 import rlaudit
-from rlaudit.errors import EXIT_BAD_INPUT, RlauditError
+from rlaudit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RlauditError
 
 #: subcommand -> module (each has add_parser(subparsers) and run(args) -> int)
 COMMANDS = {
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         print("rlaudit: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def entry() -> None:

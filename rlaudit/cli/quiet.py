@@ -44,6 +44,7 @@ def third_party_to_log(path: Path) -> Iterator[Path]:
         os.environ.setdefault(k, v)
     root.handlers = [handler]
     root.setLevel(logging.INFO)
+    quiet_loggers()             # libraries imported before the block brought their own handlers
     logging.captureWarnings(True)
     with warnings.catch_warnings():
         warnings.simplefilter("default")  # each distinct warning once, into the log

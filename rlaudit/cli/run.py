@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, env_default, resolve_scenarios
-from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK
+from rlaudit.errors import EXIT_INTERRUPTED
 
 
 def add_parser(sub) -> None:
@@ -26,6 +26,12 @@ def add_parser(sub) -> None:
                    help="audit your own trainer through an adapter (see docs/targets.md)")
     p.add_argument("--json", action="store_true", help="print results as JSON on stdout")
     p.add_argument("--bless", action="store_true", help=argparse_bless_help())
+    p.add_argument("--force", action="store_true",
+                   help="with --bless: bless even when an invariant failed or a backend crashed "
+                        "in this run (refused otherwise, nothing written)")
+    p.add_argument("--require-golden", action="store_true",
+                   help="a scenario x backend without a golden to compare against fails the run "
+                        "(the nightly job's setting; default: reported as 'no golden', exit 0)")
     add_location_args(p)
     p.add_argument("--report-dir", default=env_default("RLAUDIT_REPORTS", DEFAULT_REPORTS),
                    help="where the run report and the embedded MLflow store go "
@@ -76,8 +82,12 @@ def run(args) -> int:
 
 def _run(args) -> int:
     if args.target:
+        from rlaudit.scenarios.validate import validate_target
         from rlaudit.targets.runner import run_target
-        results = run_target(args.target, scenario_names=args.scenarios, all_=args.all,
+        paths = (resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
+                 if args.scenarios or args.all else [])
+        adapter = validate_target(args.target, paths)  # stage signatures, scenario inputs
+        results = run_target(adapter, scenario_names=args.scenarios, all_=args.all,
                              scenarios_dir=args.scenarios_dir)
         if not args.json:
             from rlaudit.report.console import render_result
@@ -85,31 +95,38 @@ def _run(args) -> int:
                 print(render_result(res), flush=True)
                 print(flush=True)
     else:
-        from rlaudit.scenarios.spec import load_scenario
+        from rlaudit.scenarios.outcome import run_isolated
+        from rlaudit.scenarios.validate import validate_invocation
         paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
-        scenarios = [load_scenario(p) for p in paths]  # validate every file before running any
-        from rlaudit.scenarios.engine import run_scenario  # torch: only once the input is good
-        for scn in scenarios:
-            if args.device:
-                scn.device = args.device
+        # every input of every scenario, before any runs: exit 2 with all problems, or go
+        scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir,
+                                        device=args.device)
         from rlaudit.executors import make_executor
         results = []
         backends = _with_oracle(args.backends)
 
         def run_one(scn, replay):
-            return run_scenario(scn, backends=backends, golden_dir=args.golden_dir,
-                                bless=args.bless, timeout=args.timeout, replay=replay)
+            # a late failure is this scenario's result: the others run, all are reported
+            return run_isolated(scn, backends=backends, golden_dir=args.golden_dir,
+                                bless=args.bless, force=args.force, timeout=args.timeout,
+                                replay=replay)
 
-        with make_executor(args.executor, scenarios, backends=backends,
-                           progress=not args.json or sys.stderr.isatty(),
-                           ray_address=args.ray_address, jobs=args.jobs) as executor:
-            for scn, res in executor.map(scenarios, run_one):
-                results.append(res)
-                if not args.json:
-                    from rlaudit.report.console import render_result
-                    with executor.progress.paused():
-                        print(render_result(res), flush=True)
-                        print(flush=True)
+        try:
+            with make_executor(args.executor, scenarios, backends=backends,
+                               progress=not args.json or sys.stderr.isatty(),
+                               ray_address=args.ray_address, jobs=args.jobs) as executor:
+                for scn, res in executor.map(scenarios, run_one):
+                    results.append(res)
+                    if not args.json:
+                        from rlaudit.report.console import render_result
+                        with executor.progress.paused():
+                            print(render_result(res), flush=True)
+                            print(flush=True)
+        except KeyboardInterrupt:  # what finished is still reported and logged
+            print(f"rlaudit: interrupted after {len(results)} of {len(scenarios)} scenario(s); "
+                  "reporting those", file=sys.stderr, flush=True)
+            _report(results, args)
+            return EXIT_INTERRUPTED
     _report(results, args)
     if args.json:
         json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
@@ -117,7 +134,8 @@ def _run(args) -> int:
     else:
         from rlaudit.report.console import render_summary
         print(render_summary(results))
-    return EXIT_OK if results and all(r.passed for r in results) else EXIT_CHECK_FAILED
+    from rlaudit.scenarios.outcome import exit_code
+    return exit_code(results, require_golden=args.require_golden)
 
 
 def _report(results, args) -> None:

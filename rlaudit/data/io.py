@@ -108,7 +108,7 @@ def save_rollout(batch: RolloutBatch, path: str | os.PathLike, *,
                  meta: Mapping[str, object] | None = None) -> None:
     """Write ``batch`` to ``path`` (``*.safetensors``) and its JSON sidecar, atomically.
 
-    The batch is validated first (an invalid batch is never written). The sidecar's ``meta`` is
+    The batch is validated first (an invalid or 0-row batch is never written). The sidecar's ``meta`` is
     ``batch.meta`` updated with ``meta`` (``meta`` wins on shared keys); it must be JSON-able.
     Tensors are stored as they are (any dtype, moved to CPU); the batch is not changed.
     """
@@ -118,6 +118,7 @@ def save_rollout(batch: RolloutBatch, path: str | os.PathLike, *,
     if not path.parent.is_dir():
         raise InputError("directory does not exist", source=str(path.parent), key="path")
     batch.validate(source=str(path))
+    require_rows(batch, source=str(path))
     merged = {**batch.meta, **(meta or {})}
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in batch.tensors.items()}
     total, per_field = _hashes(tensors)
@@ -189,7 +190,8 @@ def load_rollout(path: str | os.PathLike) -> RolloutBatch:
 
     Checks, in order: both files exist and parse; the fields, dtypes and shapes in the file match
     the sidecar; each field's sha256 and the total sha256; each kind is seq/prompt/token; then
-    :meth:`RolloutBatch.from_tensors` (required fields, shapes, dtypes, masks, finite values).
+    :meth:`RolloutBatch.from_tensors` (required fields, shapes, dtypes, masks, finite values);
+    at least one row.
     Every failure is an :class:`InputError` naming the file (``source``) and field (``key``).
     """
     path = Path(path)
@@ -225,4 +227,15 @@ def load_rollout(path: str | os.PathLike) -> RolloutBatch:
             raise InputError(f"unknown field kind {fields[name]['kind']!r}; expected one of "
                              f"{', '.join(k.value for k in Kind)}", source=side,
                              key=name) from None
-    return RolloutBatch.from_tensors(tensors, kinds=kinds, meta=doc["meta"], source=src)
+    batch = RolloutBatch.from_tensors(tensors, kinds=kinds, meta=doc["meta"], source=src)
+    require_rows(batch, source=src)
+    return batch
+
+
+def require_rows(batch: RolloutBatch, *, source: str | None) -> None:
+    """A fixed rollout has at least one row: a 0-row file replays nothing, so every check on it
+    would pass vacuously (InputError naming ``response_ids``)."""
+    if len(batch) == 0:
+        raise InputError(f"the rollout has 0 rows (response_ids has shape "
+                         f"{list(batch['response_ids'].shape)}): nothing to replay",
+                         source=source, key="response_ids")

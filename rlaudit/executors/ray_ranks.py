@@ -61,10 +61,10 @@ class RankActor:
 
     def host_store(self, timeout_s: float) -> int:
         """Rank 0: start the group's TCP store on this node's loopback; return its port."""
-        import torch.distributed as dist
+        from rlaudit.backends.launch import _rendezvous
 
-        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
-                                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        # bound to loopback only: torch's own store would listen on every interface
+        self._store = _rendezvous.rendezvous_store(_rendezvous.LOOPBACK, timeout=timeout_s)
         return self._store.port
 
     def join(self, port: int, timeout_s: float) -> int:
@@ -82,6 +82,9 @@ class RankActor:
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
             device_id = device if self.backend == "nccl" else None
+        from rlaudit.backends.launch import _rendezvous
+        # the group's gloo/NCCL sockets on the node's loopback, like its store
+        os.environ.update(_rendezvous.rank_socket_env(_rendezvous.LOOPBACK, backend=self.backend))
         store = self._store or dist.TCPStore("127.0.0.1", port, self.world_size, is_master=False,
                                              timeout=timeout)
         dist.init_process_group(self.backend, store=store, rank=self.rank,

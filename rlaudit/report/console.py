@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from rlaudit.report.localise_view import console_lines
-from rlaudit.scenarios.result import STATUS_ORDER, ScenarioResult
+from rlaudit.scenarios.result import PASSED, STATES, STATUS_ORDER, ScenarioResult
 
 SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR", "differs": "differs"}
-GOLDEN_SYMBOL = {"pass": "pass", "fail": "FAIL", "stale": "STALE", "missing": "none",
-                 "blessed": "BLESSED"}
+GOLDEN_SYMBOL = {"pass": "pass", "fail": "FAIL", "stale": "STALE", "no golden": "no golden",
+                 "blessed": "BLESSED", "refused": "REFUSED"}
 
 
 def _cell(statuses: list[str]) -> str:
@@ -41,7 +41,7 @@ def render_result(res: ScenarioResult) -> str:
     header = ["invariant", *backends, "worst drift"]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-    verdict = "PASSED" if res.passed else "FAILED"
+    verdict = res.state.upper()
     out = [f"{res.scenario}: {verdict} ({res.seconds:.1f}s)", line(header),
            line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
@@ -51,7 +51,7 @@ def render_result(res: ScenarioResult) -> str:
         out.append(f"  {SYMBOL[c.status]} {c.invariant} [{c.backend}]: {c.message}")
         out += console_lines(res, c.invariant, c.backend, printed)
     for g in res.golden:
-        if g.status in ("fail", "stale", "blessed"):
+        if g.status in ("fail", "stale", "blessed", "refused", "no golden"):
             out.append(f"  golden {GOLDEN_SYMBOL[g.status]} [{g.backend}]: {g.message}")
             out += console_lines(res, "golden", g.backend, printed)
     for c in res.checks:
@@ -63,9 +63,12 @@ def render_result(res: ScenarioResult) -> str:
 
 
 def render_summary(results: list[ScenarioResult]) -> str:
+    """"3/5 scenarios passed (1 no golden, 1 failed)", then one line per scenario not passed."""
     passed = sum(r.passed for r in results)
-    lines = [f"{passed}/{len(results)} scenarios passed"]
+    others = [s for s in STATES if s != PASSED and any(r.state == s for r in results)]
+    counts = ", ".join(f"{sum(r.state == s for r in results)} {s}" for s in others)
+    lines = [f"{passed}/{len(results)} scenarios passed" + (f" ({counts})" if counts else "")]
     for r in results:
         if not r.passed:
-            lines.append(f"  FAILED {r.scenario}")
+            lines.append(f"  {r.state.upper()} {r.scenario}")
     return "\n".join(lines)

@@ -21,7 +21,9 @@ Where it logs: ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the embedde
 ``sqlite:///<report_dir>/mlflow.db`` with artifacts under ``<report_dir>/mlartifacts``.
 
 MLflow failing (bad URI, server down or hung, permissions) never raises: the outcome says what
-could not be logged. HTTP requests are bounded (timeout and retries) for the call's duration.
+could not be logged. A server must answer a probe request within a few seconds; HTTP requests
+are bounded by a timeout; all calls of an invocation share one retry; a fresh sqlite store is
+created under a file lock (rlaudit.report.mlflow_guard).
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 #: seconds to wait for a TCP connection to an http(s) tracking server before giving up on it
 CONNECT_TIMEOUT_S = 3.0
-#: per-request HTTP timeout and retries while logging (MLflow's defaults, 120 s x 7 retries
-#: with backoff, can hang a CI job for many minutes on a dead server)
-HTTP_TIMEOUT_S = 15
-HTTP_MAX_RETRIES = 2
+#: per-request HTTP timeout while logging, and MLflow's own per-request retries: none, the
+#: invocation's calls share mlflow_guard.RETRY_BUDGET instead (MLflow's defaults, 120 s x 7
+#: retries with backoff, can hang a CI job for many minutes on a dead server)
+HTTP_TIMEOUT_S = 10
+HTTP_MAX_RETRIES = 0
 HTTP_BACKOFF_FACTOR = 1
 #: MLflow's per-request limits for log_batch
 BATCH_METRICS, BATCH_PARAMS_TAGS = 1000, 100
@@ -185,8 +188,11 @@ def child_tags(res: ScenarioResult, backend: str, parent_id: str, git: str | Non
     tags: dict[str, Any] = {**extra, KIND_TAG: SCENARIO, "mlflow.parentRunId": parent_id,
                             "rlaudit.invocation": parent_id, "rlaudit.scenario": res.scenario,
                             "rlaudit.backend": backend, "rlaudit.passed": str(res.passed).lower(),
+                            "rlaudit.state": res.state,
                             "rlaudit.tags": ",".join(res.tags),
                             "golden": golden.get(backend, "none")}
+    if res.input_error:
+        tags["input_error"] = res.input_error
     if git:
         tags["mlflow.source.git.commit"] = git
     for name, status in backend_status(res, backend).items():
@@ -320,6 +326,8 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
     prog.stage = "creating the parent run"
     parent_tags = {**extra_tags, KIND_TAG: INVOCATION,
                    "rlaudit.passed": str(bool(results) and all(r.passed for r in results)).lower(),
+                   "rlaudit.states": ",".join(f"{r.scenario}={r.state}"
+                                              for r in results)[:MAX_TAG_VALUE],
                    "rlaudit.scenarios": ",".join(r.scenario for r in results)[:MAX_TAG_VALUE]}
     with contextlib.suppress(Exception):
         parent_tags["mlflow.user"] = getpass.getuser()
@@ -366,12 +374,14 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
         rep = Path(tmp) / "report"
         rep.mkdir()
         try:
-            if report_files:  # already rendered by the caller: attach them (plots under plots/)
-                for f in map(Path, report_files):
+            try:
+                if not report_files:
+                    raise FileNotFoundError("no rendered report given")
+                for f in map(Path, report_files):  # already rendered: attach (plots under plots/)
                     dest = rep / "plots" / f.name if f.suffix == ".png" else rep / f.name
                     dest.parent.mkdir(exist_ok=True)
                     shutil.copyfile(f, dest)
-            else:
+            except OSError:  # not given, or replaced meanwhile by a concurrent invocation's
                 build_run_report(results, rep)
         except Exception as e:  # a plotting/file problem must not cost the run its results.json
             prog.notes.append(f"report not attached ({type(e).__name__}: {e})")
@@ -382,6 +392,8 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
     prog.stage = "finishing the parent run"
     _log_batch(client, pid, metrics=[("scenarios_total", float(len(results)), 0),
                                      ("scenarios_passed", float(sum(r.passed for r in results)), 0),
+                                     ("scenarios_no_golden", float(sum(r.state == "no golden"
+                                                                       for r in results)), 0),
                                      ("seconds", float(sum(r.seconds for r in results)), 0)])
     client.set_terminated(pid, status="FINISHED")
 
@@ -395,18 +407,22 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
 
     ``report_files``: the paths ``write_run_report`` returned for these results, attached as
     they are; without it the report is rendered again into a temporary directory."""
+    from rlaudit.report.mlflow_guard import BudgetedClient, RetryBudget, open_store_lock, probe
     uri, artifact_location = resolve_tracking_uri(tracking_uri, Path(report_dir))
     prog = _Progress()
     client = None
+    budget = RetryBudget()
     t0 = time.perf_counter()
     try:
         with bounded_http():
             preflight(uri)
+            probe(uri)
             prog.stage = "importing mlflow"
             from mlflow.tracking import MlflowClient
             prog.stage = "opening the tracking store"
-            client = MlflowClient(tracking_uri=uri)
-            exp_id = _experiment_id(client, experiment, artifact_location)
+            with open_store_lock(uri):
+                client = BudgetedClient(MlflowClient(tracking_uri=uri), budget)
+                exp_id = _experiment_id(client, experiment, artifact_location)
             _log(results, client, exp_id, prog, run_name=run_name, extra_tags=extra_tags or {},
                  git=git_revision(), report_files=report_files)
     except Exception as e:
@@ -417,10 +433,11 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
                 f"logged" if prog.parent else "nothing was logged")
         if client is not None and prog.parent:
             with contextlib.suppress(Exception), bounded_http(retries=0):
-                client.set_terminated(prog.parent, status="FAILED")
+                client._client.set_terminated(prog.parent, status="FAILED")  # no retry left
         return LogOutcome(False, f"MLflow logging to {uri} failed while {prog.stage}: {err}; "
                                  f"{done} (the audit result above stands)", prog.parent, uri)
-    notes = f"; {'; '.join(prog.notes)}" if prog.notes else ""
+    retried = [f"retried {', '.join(budget.spent)}"] if budget.spent else []
+    notes = f"; {'; '.join(prog.notes + retried)}" if prog.notes or retried else ""
     return LogOutcome(not prog.notes, f"logged {len(results)} scenario(s), {prog.children} "
                                       f"run(s) to MLflow {uri} (experiment {experiment!r}, parent "
                                       f"run {prog.parent}, {time.perf_counter() - t0:.1f}s){notes}",

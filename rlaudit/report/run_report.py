@@ -18,7 +18,11 @@ from rlaudit.metrics import golden_names
 from rlaudit.report import localise_view as LV
 from rlaudit.report import render as R
 from rlaudit.scenarios.result import STATUS_ORDER as RESULT_STATUS_ORDER
-from rlaudit.scenarios.result import ScenarioResult
+from rlaudit.scenarios.result import (FAILED, NO_GOLDEN_STATE, PASSED, STATES, ScenarioResult)
+
+#: scenario state -> badge/cell CSS class
+STATE_CLASS = {"passed": "ok", "no golden": "warn", "blessed": "warn", "failed": "bad",
+               "bad input": "err"}
 
 #: invariant cells show the worst status of the checks that apply to the backend, in this order
 STATUS_ORDER = RESULT_STATUS_ORDER
@@ -62,7 +66,7 @@ def failures(res: ScenarioResult) -> list[str]:
     out = [f"{c.status.upper()} {BACKEND_RAN if c.invariant == '*' else c.invariant} "
            f"[{c.backend}]: {c.message}" for c in res.checks if c.status in ("fail", "error")]
     out += [f"golden {g.status.upper()} [{g.backend}]: {g.message}"
-            for g in res.golden if g.status in ("fail", "stale", "blessed")]
+            for g in res.golden if g.status in ("fail", "stale", "blessed", "refused", "no golden")]
     return out
 
 
@@ -140,7 +144,9 @@ def plot_metrics(res: ScenarioResult) -> bytes | None:
 def _summary(results: list[ScenarioResult]) -> list[tuple[str, object]]:
     passed = sum(r.passed for r in results)
     backends = sorted({b for r in results for b in r.backends})
-    return [("scenarios", len(results)), ("passed", passed), ("failed", len(results) - passed),
+    no_golden = sum(r.state == NO_GOLDEN_STATE for r in results)
+    return [("scenarios", len(results)), ("passed", passed), ("no golden", no_golden),
+            ("failed", len(results) - passed - no_golden),
             ("backends", ", ".join(backends) or "-"),
             ("seconds", f"{sum(r.seconds for r in results):.1f}")]
 
@@ -158,7 +164,7 @@ GOLDEN_HEADER = ["backend", "step", "metric", "value", "golden", "rel. drift", "
 
 def _html_scenario(res: ScenarioResult, png: bytes | None, drift_png: bytes | None = None
                    ) -> str:
-    verdict = R.badge("PASSED", "ok") if res.passed else R.badge("FAILED", "bad")
+    verdict = R.badge(res.state.upper(), STATE_CLASS[res.state])
     out = [f'<section class="card" id="{R.esc(R.safe_filename(res.scenario))}">'
            f"<h2>{R.esc(res.scenario)}{verdict}</h2>",
            f'<div class="muted">{R.esc(res.path)} &middot; dtype {R.esc(res.dtype or "-")} '
@@ -202,12 +208,12 @@ def _html_scenario(res: ScenarioResult, png: bytes | None, drift_png: bytes | No
 def render_html(results: list[ScenarioResult], pngs: dict[str, bytes],
                 drift_pngs: dict[str, bytes] | None = None) -> str:
     now = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
-    passed = all(r.passed for r in results) and bool(results)
-    verdict = R.badge("PASSED", "ok") if passed else R.badge("FAILED", "bad")
+    worst = next((s for s in STATES if any(r.state == s for r in results)), FAILED)
+    verdict = R.badge(worst.upper(), STATE_CLASS[worst])
     head = [f'<section class="card"><h2>Summary{verdict}</h2>',
             R.stats(_summary(results))]
     head.append(R.table(["scenario", "verdict", "backends", "failures", "seconds"],
-                        [[r.scenario, R.status_cell("pass" if r.passed else "fail"),
+                        [[r.scenario, R.status_cell(r.state),
                           ", ".join(r.backends), len(failures(r)),
                           R.num_cell(round(r.seconds, 1))] for r in results]))
     head.append("</section>")
@@ -223,10 +229,11 @@ def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str],
            f"**{passed}/{len(results)} scenarios passed** "
            f"({sum(r.seconds for r in results):.1f}s)", "",
            R.md_table(["scenario", "verdict", "backends"],
-                      [[r.scenario, "pass" if r.passed else "**FAIL**", ", ".join(r.backends)]
+                      [[r.scenario, r.state if r.state in (PASSED, NO_GOLDEN_STATE)
+                        else f"**{r.state.upper()}**", ", ".join(r.backends)]
                        for r in results])]
     for res in results:
-        out += ["", f"## {res.scenario}: {'PASSED' if res.passed else 'FAILED'}", "",
+        out += ["", f"## {res.scenario}: {res.state.upper()}", "",
                 f"`{res.path}` · dtype {res.dtype or '-'} · device {res.device or '-'} · "
                 f"{res.seconds:.1f}s", ""]
         rows = invariant_rows(res)

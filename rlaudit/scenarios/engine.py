@@ -20,8 +20,9 @@ from rlaudit.update.step import select_groups
 from rlaudit.scenarios import golden as golden_mod
 from rlaudit.scenarios.invariants import INVARIANTS
 from rlaudit.scenarios.invariants.base import CheckContext, base_variant
-from rlaudit.scenarios.result import ERROR, NA, CheckResult, ScenarioResult
+from rlaudit.scenarios.result import ERROR, FAILED, NA, CheckResult, ScenarioResult
 from rlaudit.scenarios.spec import Scenario
+from rlaudit.scenarios.validate import replayable_variants
 
 
 def build_variants(scn: Scenario, batch) -> list[Variant]:
@@ -68,16 +69,19 @@ def _replay(backend, request: ReplayRequest):
 
 def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                  golden_dir: str | Path | None = None, bless: bool = False,
-                 timeout: float = 900.0, replay=None) -> ScenarioResult:
+                 timeout: float = 900.0, replay=None, force: bool = False) -> ScenarioResult:
     """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
     megatron-core not installed) are reported as n/a for every invariant, never as passed.
     ``replay(backend, request) -> {variant: VariantRun}`` carries out one backend's replay
-    (default ``backend.replay(request)``; rlaudit.executors pass theirs: progress, Ray)."""
+    (default ``backend.replay(request)``; rlaudit.executors pass theirs: progress, Ray).
+    ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
+    crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
+    left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate)."""
     t0 = time.perf_counter()
     batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
     check_sampling_matches(scn, batch)
     names, skipped = planned_backends(scn, backends)
-    variants = build_variants(scn, batch)
+    variants = replayable_variants(scn, batch)
     res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names + skipped,
                          config=flatten(to_dict(scn.config)),
                          layouts={b: dict(scn.backends.get(b, {})) for b in names + skipped},
@@ -120,8 +124,10 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                                           f"{e}", {"traceback": traceback.format_exc()}))
     res.runs = runs
     if golden_dir is not None:
-        res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless)
-    if not res.passed:  # only a failure is localised: nothing extra runs otherwise
+        refuse = golden_mod.bless_blocker(res) if bless and not force else None
+        res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless,
+                                                 refuse=refuse)
+    if res.state == FAILED:  # only a failure is localised: nothing extra runs otherwise
         from rlaudit.scenarios.localise import localise_scenario
         res.localisation = localise_scenario(scn, ctx, res, timeout=timeout)
     res.seconds = time.perf_counter() - t0

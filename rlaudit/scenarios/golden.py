@@ -2,24 +2,36 @@
 
     {
       "scenario": "seed_entropy_coeff_zero",
-      "provenance": {"rlaudit": "0.1.0", "torch": "2.13.0+cpu", "dtype": "float64",
-                     "model_sha": "...", "rollout_sha": "...", "blessed_at": "..."},
+      "configs": {"<config_sha>": {"actor.entropy_coeff": 0.0, ..., "steps": 2}},
       "backends": {
-        "reference@cpu": {"steps": [{"actor/pg_loss": {"value": 0.0123, "rtol": 1e-06,
-                                                       "atol": 1e-09}, ...}, ...]},
+        "reference@cpu": {
+          "provenance": {"semantics": 1, "config_sha": "...", "layout": {}, "dtype": "float64",
+                         "model_sha": "...", "ref_model_sha": null, "rollout_sha": "...",
+                         "rlaudit": "0.1.0", "torch": "2.13.0+cpu", "blessed_at": "..."},
+          "steps": [{"actor/pg_loss": {"value": 0.0123, "rtol": 1e-06, "atol": 1e-09}, ...}, ...]},
         "fsdp@cpu": {...}
       }
     }
 
 Rules (pytest-regressions/syrupy habits): regeneration is explicit (``rlaudit golden bless``)
-and a blessing run still exits non-zero; a mismatch writes ``<scenario>.obtained.json`` beside
-the golden; a golden whose model or rollout hash no longer matches is *stale* and is not
-compared; files are written atomically.
+and a blessing run still exits non-zero; a bless is refused (nothing written) when an invariant
+failed or a backend crashed in the same run, unless forced; a mismatch writes
+``<scenario>.obtained.json`` beside the golden; files are written atomically.
+
+Provenance is kept **per backend entry**, so a bless of some backends never vouches for the
+others: an entry whose semantics version, model, reference model, rollout, layout or resolved
+config differs from the scenario's now is *stale* and is not compared. The resolved config is the
+scenario's full config tree with every default filled in, plus ``steps``, flattened; its canonical
+sha256 is ``config_sha`` and the record itself is kept under ``configs`` so a stale message names
+the keys that changed. A key the golden does not record (added to rlaudit after the bless) counts
+as unchanged while it holds its default; :data:`SEMANTICS_VERSION` is bumped when what a metric
+means changes.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -29,15 +41,28 @@ from pathlib import Path
 import torch
 
 import rlaudit
+from rlaudit.config import Config, flatten, to_dict
 from rlaudit.data.io import rollout_sha256
 from rlaudit.metrics import golden_names
 from rlaudit.model.load import snapshot_id
-from rlaudit.scenarios.result import GoldenResult
+from rlaudit.scenarios.result import (BLESSED, GOLDEN_FAIL, GOLDEN_PASS, NO_GOLDEN, REFUSED, STALE,
+                                      GoldenResult)
 from rlaudit.scenarios.spec import Scenario, Tolerance
 
 #: golden tolerances by dtype, looser than same-machine parity: goldens travel across BLAS
 #: builds and CPUs, where summation order differs
 GOLDEN_TOLERANCES = {"float64": (1e-6, 1e-9), "float32": (2e-4, 1e-6), "bfloat16": (5e-2, 5e-2)}
+
+#: The version of rlaudit's metric semantics a golden is blessed under. Bump it with any change
+#: that alters what a golden-compared metric means (a formula, a reduction, a denominator, a
+#: default's effect), even where the committed goldens happen to keep their values: every golden
+#: blessed under another version is then STALE and must be re-blessed (and reviewed).
+SEMANTICS_VERSION = 1
+
+#: provenance keys whose change makes a golden entry stale, with the word a message uses
+STALE_KEYS = (("semantics", "semantics version"), ("model_sha", "model"),
+              ("ref_model_sha", "reference model"), ("rollout_sha", "rollout"),
+              ("layout", "layout"), ("config_sha", "config"))
 
 
 def golden_path(golden_dir: Path, scn: Scenario) -> Path:
@@ -52,9 +77,68 @@ def backend_key(backend: str, device: str) -> str:
     return f"{backend}@{device}"
 
 
-def provenance(scn: Scenario) -> dict:
-    return {"rlaudit": rlaudit.__version__, "torch": torch.__version__, "dtype": scn.dtype,
-            "model_sha": snapshot_id(scn.model), "rollout_sha": rollout_sha256(scn.rollout)}
+def config_record(scn: Scenario) -> dict:
+    """The resolved config a golden depends on: every config key (defaults filled in) flattened,
+    plus ``steps``; JSON-normalised (tuples are lists), as stored under ``configs``."""
+    record = {**flatten(to_dict(scn.config)), "steps": scn.steps}
+    return json.loads(json.dumps(record, sort_keys=True))
+
+
+def config_sha(record: dict) -> str:
+    """Canonical sha256 of a config record: sorted keys, no whitespace, exact float reprs."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def provenance(scn: Scenario, backend: str | None = None) -> dict:
+    """What a golden entry of ``backend`` was produced from (see the module docstring)."""
+    return {"semantics": SEMANTICS_VERSION, "rlaudit": rlaudit.__version__,
+            "torch": torch.__version__, "dtype": scn.dtype,
+            "model_sha": snapshot_id(scn.model),
+            "ref_model_sha": snapshot_id(scn.ref_model) if scn.ref_model else None,
+            "rollout_sha": rollout_sha256(scn.rollout),
+            "config_sha": config_sha(config_record(scn)),
+            "layout": dict(scn.backends.get(backend, {})) if backend else {}}
+
+
+def config_changes(recorded: dict | None, current: dict, *, limit: int = 3) -> list[str]:
+    """Human-readable differences between a golden's config record and the scenario's now; keys
+    absent from ``recorded`` count only when they differ from rlaudit's default."""
+    if recorded is None:
+        return ["the golden does not record its config"]
+    defaults = json.loads(json.dumps(flatten(to_dict(Config()))))
+    out = []
+    for key in sorted(set(recorded) | set(current)):
+        if key not in current:
+            out.append(f"{key} (no longer a config key)")
+        elif key not in recorded:
+            if key not in defaults or current[key] != defaults[key]:
+                out.append(f"{key}: not recorded -> {current[key]!r}")
+        elif recorded[key] != current[key]:
+            out.append(f"{key}: {recorded[key]!r} -> {current[key]!r}")
+    if len(out) > limit:
+        out = out[:limit] + [f"{len(out) - limit} more"]
+    return out
+
+
+def stale_reasons(entry_prov: dict | None, configs: dict, scn: Scenario, backend: str,
+                  now: dict | None = None) -> list[str]:
+    """Why a golden entry cannot vouch for this scenario's ``backend`` now (empty: it can)."""
+    now = now or provenance(scn, backend)
+    if not entry_prov or "semantics" not in entry_prov:
+        return ["it was blessed before goldens recorded the config and the semantics version "
+                "per backend"]
+    reasons = []
+    for key, word in STALE_KEYS:
+        if key == "config_sha":
+            if entry_prov.get(key) != now[key]:
+                changes = config_changes(configs.get(entry_prov.get(key)), config_record(scn))
+                if changes:
+                    reasons.append(f"config changed ({'; '.join(changes)})")
+        elif entry_prov.get(key) != now[key]:
+            reasons.append(f"{word} {entry_prov.get(key)!r} -> {now[key]!r}"
+                           if key in ("semantics", "layout") else f"a different {word}")
+    return reasons
 
 
 def _tol(scn: Scenario, name: str) -> Tolerance:
@@ -69,10 +153,11 @@ def _tol(scn: Scenario, name: str) -> Tolerance:
 
 
 def golden_document(scn: Scenario, runs: dict) -> dict:
-    doc = {"scenario": scn.name,
-           "provenance": {**provenance(scn),
-                          "blessed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
-           "backends": {}}
+    """A golden file's content for ``runs`` (backend -> variant -> VariantRun): each backend's
+    base-variant metrics per step with their tolerances and its own provenance."""
+    blessed_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    record = config_record(scn)
+    doc = {"scenario": scn.name, "configs": {config_sha(record): record}, "backends": {}}
     for backend, variants in sorted(runs.items()):
         steps = []
         for metrics in variants["base"].steps:
@@ -81,7 +166,8 @@ def golden_document(scn: Scenario, runs: dict) -> dict:
                 t = _tol(scn, name)
                 entry[name] = {"value": metrics[name], "rtol": t.rtol, "atol": t.atol}
             steps.append(entry)
-        doc["backends"][backend_key(backend, scn.device)] = {"steps": steps}
+        doc["backends"][backend_key(backend, scn.device)] = {
+            "provenance": {**provenance(scn, backend), "blessed_at": blessed_at}, "steps": steps}
     return doc
 
 
@@ -112,13 +198,19 @@ def read_golden(path: Path) -> dict:
         raise InputError(msg, source=str(path), key=key)
     if not isinstance(doc, dict):
         bad(None, "expected a JSON object at the top level")
-    if not isinstance(doc.get("provenance", {}), dict):
-        bad("provenance", "expected an object")
+    for top in ("provenance", "configs"):
+        if not isinstance(doc.get(top, {}), dict):
+            bad(top, "expected an object")
+    for sha, record in doc.get("configs", {}).items():
+        if not isinstance(record, dict):
+            bad(f"configs.{sha}", "expected an object dotted config key -> value")
     if not isinstance(doc.get("backends", {}), dict):
         bad("backends", "expected an object backend@device -> {steps: [...]}")
     for key, entry in doc.get("backends", {}).items():
         if not isinstance(entry, dict) or not isinstance(entry.get("steps"), list):
             bad(f"backends.{key}", "expected an object with a list 'steps'")
+        if not isinstance(entry.get("provenance", {}), dict):
+            bad(f"backends.{key}.provenance", "expected an object")
         for i, step in enumerate(entry["steps"]):
             if not isinstance(step, dict):
                 bad(f"backends.{key}.steps[{i}]", "expected an object metric -> {value, rtol, atol}")
@@ -168,44 +260,71 @@ def compare(golden: dict, metrics_by_step: list[dict[str, float]]
     return mismatches, worst, rows
 
 
-def compare_or_bless(scn: Scenario, runs: dict, golden_dir: Path, *, bless: bool
-                     ) -> list[GoldenResult]:
+def bless_blocker(res) -> str | None:
+    """Why a run's metrics may not become goldens: the invariants that failed or could not run
+    and the backends that crashed in it (None: nothing stands in the way)."""
+    bad = [f"{c.invariant} {c.status} on {c.backend}" for c in res.checks if not c.ok]
+    bad += [f"backend {b} crashed" for b in res.errors]
+    if not bad:
+        return None
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return (f"this run has {'; '.join(bad[:3])}{more}; fix that first, or pass --force to bless "
+            "values that failed their own checks")
+
+
+def compare_or_bless(scn: Scenario, runs: dict, golden_dir: Path, *, bless: bool,
+                     refuse: str | None = None) -> list[GoldenResult]:
+    """Compare ``runs`` with the scenario's golden, or with ``bless`` write them into it.
+
+    ``refuse``: why this run may not be blessed (an invariant failed, a backend crashed): the
+    bless is refused and nothing is written (rlaudit.scenarios.engine passes it unless forced).
+    Blessing a subset of backends keeps the other entries with their own provenance."""
     path = golden_path(golden_dir, scn)
+    if bless and refuse:
+        return [GoldenResult(b, REFUSED, f"not blessed, {path} left as it was: {refuse}")
+                for b in runs]
     if bless:
         doc = golden_document(scn, runs)
         if path.exists():  # keep other backends' entries (e.g. GPU ones) when blessing a subset
             old = read_golden(path)
             doc["backends"] = {**old.get("backends", {}), **doc["backends"]}
+            used = {e.get("provenance", {}).get("config_sha") for e in doc["backends"].values()}
+            doc["configs"] = {k: v for k, v in {**old.get("configs", {}), **doc["configs"]}.items()
+                              if k in used}
         write_json_atomic(path, doc)
         _update_obtained(golden_dir, scn, runs, failing=set())
-        return [GoldenResult(b, "blessed", f"wrote {path}") for b in runs]
+        return [GoldenResult(b, BLESSED, f"wrote {path}") for b in runs]
     if not path.exists():
-        return [GoldenResult(b, "missing", f"no golden file {path}; create it with "
+        return [GoldenResult(b, NO_GOLDEN, f"no golden file {path}; create it with "
                                            f"`rlaudit golden bless {scn.name}`") for b in runs]
     golden = read_golden(path)
-    prov = provenance(scn)
-    stale = [k for k in ("model_sha", "rollout_sha")
-             if golden.get("provenance", {}).get(k) != prov[k]]
-    if stale:
-        return [GoldenResult(b, "stale", f"golden {path} was blessed for a different "
-                                         f"{' and '.join(s.split('_')[0] for s in stale)}; "
-                                         f"re-bless it") for b in runs]
     results, obtained = [], {}
+    common = provenance(scn)  # hashes the model and rollout once
     for backend, variants in sorted(runs.items()):
         key = backend_key(backend, scn.device)
         entry = golden.get("backends", {}).get(key)
         if entry is None:
-            results.append(GoldenResult(backend, "missing", f"golden has no entry {key}"))
+            results.append(GoldenResult(backend, NO_GOLDEN, f"golden {path} has no entry {key}; "
+                                        f"add it with `rlaudit golden bless {scn.name} "
+                                        f"--backend {backend}`"))
+            continue
+        now = {**common, "layout": dict(scn.backends.get(backend, {}))}
+        prov = entry.get("provenance", golden.get("provenance"))
+        reasons = stale_reasons(prov, golden.get("configs", {}), scn, backend, now)
+        if reasons:
+            results.append(GoldenResult(backend, STALE, f"golden entry {key} of {path} is stale: "
+                                        f"{'; '.join(reasons)}; re-bless it (`rlaudit golden "
+                                        f"bless {scn.name}`)"))
             continue
         mismatches, worst, rows = compare(entry, variants["base"].steps)
         if mismatches:
             obtained[key] = True
             first = mismatches[0]
-            results.append(GoldenResult(backend, "fail", f"{len(mismatches)} mismatch(es); first: "
-                                        f"{first['metric']} step {first['step']}: "
+            results.append(GoldenResult(backend, GOLDEN_FAIL, f"{len(mismatches)} mismatch(es); "
+                                        f"first: {first['metric']} step {first['step']}: "
                                         f"{first['message']}", mismatches, worst, rows))
         else:
-            results.append(GoldenResult(backend, "pass", "", [], worst, rows))
+            results.append(GoldenResult(backend, GOLDEN_PASS, "", [], worst, rows))
     _update_obtained(golden_dir, scn, runs, failing=set(obtained))
     return results
 

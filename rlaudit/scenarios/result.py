@@ -12,6 +12,19 @@ DIFFERS = "differs"
 #: worst first: how a cell holding several checks is summarised
 STATUS_ORDER = (ERROR, FAIL, DIFFERS, PASS, NA)
 
+#: golden comparison statuses (GoldenResult.status): "no golden" = no golden file, or no entry
+#: for this backend@device; "refused" = a bless the run's own failures did not allow
+GOLDEN_PASS, GOLDEN_FAIL, STALE, NO_GOLDEN, BLESSED, REFUSED = (
+    "pass", "fail", "stale", "no golden", "blessed", "refused")
+
+#: scenario states (ScenarioResult.state), worst first. "bad input": an input problem found only
+#: while the scenario ran (its own result; the other scenarios still run); "no golden": every
+#: check passed but some backend has nothing to compare against (a failure with
+#: --require-golden); "blessed": goldens were (re)written by this run (never a pass)
+BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, PASSED = (
+    "bad input", "failed", "blessed", "no golden", "passed")
+STATES = (BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, PASSED)
+
 
 @dataclass
 class CheckResult:
@@ -39,7 +52,7 @@ class CheckResult:
 @dataclass
 class GoldenResult:
     backend: str
-    status: str                      # pass | fail | stale | missing | blessed
+    status: str                      # pass | fail | stale | no golden | blessed | refused
     message: str = ""
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     worst_drift: float | None = None
@@ -63,6 +76,9 @@ class ScenarioResult:
     device: str = ""
     tags: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)      # model/rollout sha, versions
+    input_error: str | None = None
+    """An input problem found only while this scenario ran (file and key named): its state is
+    "bad input" whatever else it holds."""
     runs: dict[str, Any] = field(default_factory=dict, repr=False)
     """backend -> variant -> VariantRun (in-memory only: per-token tensors for diff artifacts)."""
     localisation: list[dict[str, Any]] = field(default_factory=list)
@@ -70,14 +86,29 @@ class ScenarioResult:
     empty, and absent from the JSON, when nothing failed."""
 
     @property
+    def state(self) -> str:
+        """One of :data:`STATES` (see there)."""
+        golden = {g.status for g in self.golden}
+        if self.input_error:
+            return BAD_INPUT
+        if (not all(c.ok for c in self.checks) or self.errors
+                or golden & {GOLDEN_FAIL, STALE, REFUSED}):
+            return FAILED
+        if BLESSED in golden:
+            return BLESSED_STATE
+        if NO_GOLDEN in golden:
+            return NO_GOLDEN_STATE
+        return PASSED
+
+    @property
     def passed(self) -> bool:
-        return (all(c.ok for c in self.checks) and not self.errors
-                and all(g.status in ("pass", "missing") for g in self.golden))
+        """Every check passed and every backend matched its golden ("no golden" is not a pass)."""
+        return self.state == PASSED
 
     def to_json(self) -> dict[str, Any]:
         runs, self.runs = self.runs, {}
         try:
-            out = asdict(self) | {"passed": self.passed}
+            out = asdict(self) | {"passed": self.passed, "state": self.state}
             if not out["localisation"]:  # a passing scenario's JSON is unchanged
                 del out["localisation"]
             return out

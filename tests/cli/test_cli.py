@@ -137,9 +137,10 @@ def test_run_json_and_local_report(tiny, tmp_path, capsys):
     results = json.loads(out)  # stdout is nothing but the JSON document
     assert [r["scenario"] for r in results] == ["tiny_cli"]
     (r,) = results
-    assert r["passed"] is True and r["errors"] == {}
+    # no golden to compare against: its own state, not a pass (exit 0 without --require-golden)
+    assert r["passed"] is False and r["state"] == "no golden" and r["errors"] == {}
     assert {c["invariant"] for c in r["checks"]} == {"sanity-bounds", "on-policy-identities"}
-    assert [g["status"] for g in r["golden"]] == ["missing"]
+    assert [g["status"] for g in r["golden"]] == ["no golden"]
     assert len(r["metrics"]["reference"]) == 1 and "actor/pg_loss" in r["metrics"]["reference"][0]
     latest = tmp_path / "reports" / "latest"
     html, md = latest / "report.html", latest / "report.md"
@@ -150,7 +151,7 @@ def test_run_json_and_local_report(tiny, tmp_path, capsys):
     # the text form prints the table and the summary
     assert main(run_args(tiny, tmp_path, "--no-mlflow")) == 0
     out = capsys.readouterr().out
-    assert "tiny_cli: PASSED" in out and "1/1 scenarios passed" in out
+    assert "tiny_cli: NO GOLDEN" in out and "0/1 scenarios passed (1 no golden)" in out
 
 
 @pytest.mark.slow
@@ -159,7 +160,7 @@ def test_run_logs_to_a_sqlite_mlflow_store(tiny, tmp_path, capsys):
     rc = main(run_args(tiny, tmp_path, "--json", "--tracking-uri", f"sqlite:///{db}"))
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert json.loads(out)[0]["passed"] is True  # MLflow printed nothing onto stdout
+    assert json.loads(out)[0]["state"] == "no golden"  # MLflow printed nothing onto stdout
     assert "logged 1 scenario(s)" in err and f"sqlite:///{db}" in err
     with sqlite3.connect(db) as con:
         names = [r[0] for r in con.execute("select name from runs")]
@@ -177,7 +178,7 @@ def test_run_with_unreachable_mlflow_still_exits_0(tiny, tmp_path, capsys):
     rc = main(run_args(tiny, tmp_path, "--tracking-uri", uri))
     out, err = capsys.readouterr()
     assert rc == 0
-    assert "tiny_cli: PASSED" in out
+    assert "tiny_cli: NO GOLDEN" in out
     assert f"MLflow logging to {uri} failed" in err and "nothing was logged" in err
 
 

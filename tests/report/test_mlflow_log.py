@@ -140,8 +140,9 @@ def test_embedded_sqlite_store(make, report_dir, monkeypatch, tmp_path):
     assert parent.info.run_name == "nightly" and parent.info.status == "FINISHED"
     assert parent.data.tags["rlaudit.kind"] == "invocation" and parent.data.tags["ci.job"] == "42"
     assert parent.data.tags["rlaudit.passed"] == "false"
+    assert parent.data.tags["rlaudit.states"] == "scn_a=failed,scn_b=failed"
     assert parent.data.metrics == {"scenarios_total": 2.0, "scenarios_passed": 0.0,
-                                   "seconds": 3.0}
+                                   "scenarios_no_golden": 0.0, "seconds": 3.0}
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"report.html", "report.md", "results.json", "plots"} <= arts
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "plots")} == {
@@ -160,6 +161,7 @@ def test_embedded_sqlite_store(make, report_dir, monkeypatch, tmp_path):
     assert a_fsdp.data.params["layout.dp"] == "2" and a_fsdp.data.params["dtype"] == "float64"
     assert a_fsdp.data.tags["invariant.stored_kl_unaltered"] == "fail"
     assert a_fsdp.data.tags["golden"] == "fail" and a_fsdp.data.tags["ci.job"] == "42"
+    assert a_fsdp.data.tags["rlaudit.state"] == "failed"
     assert by[("scn_b", "fsdp")].info.status == "FAILED"
     assert by[("scn_b", "fsdp")].data.tags["invariant.backend"] == "error"
     assert "rank 1 died" in by[("scn_b", "fsdp")].data.tags["error"]
@@ -189,10 +191,12 @@ def test_report_files_are_attached_as_given(make, report_dir, tmp_path):
     got = {p.relative_to(local).as_posix(): p for p in Path(local).rglob("*") if p.is_file()}
     assert set(got) == {"report.html", "report.md", "plots/scn_a.png", "results.json"}
     assert got["report.html"].read_text() == "content of report.html"
+    # a file gone meanwhile (a concurrent run replaced reports/latest/): rendered again instead
     missing = log_invocation([make()], tracking_uri=uri, report_dir=report_dir,
                              report_files=[tmp_path / "nope.html"])
-    assert not missing.ok and "report not attached" in missing.message
-    assert missing.parent_run_id is not None   # the runs themselves were logged
+    assert missing.ok and missing.parent_run_id is not None, missing.message
+    again = client.download_artifacts(missing.parent_run_id, "", str(tmp_path / "dl2"))
+    assert "scn_a" in (Path(again) / "report.html").read_text()
 
 
 def test_token_diffs_fall_back_to_csv_without_a_parquet_engine(make, tmp_path, monkeypatch):

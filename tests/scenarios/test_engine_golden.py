@@ -95,11 +95,17 @@ def test_bless_writes_a_diffable_golden_and_does_not_pass(blessed):
     assert_sorted(doc)
     assert text.count("\n") > 100  # one key per line: a reviewable `git diff`
     assert doc["scenario"] == scn.name
-    prov = doc["provenance"]
+    prov = doc["backends"]["reference@cpu"]["provenance"]
     # the committed rollout's own sidecar says which tensors and which model it came from
     assert prov["rollout_sha"] == SIDECAR["sha256"]
     assert prov["model_sha"] == SIDECAR["meta"]["model_snapshot_id"]
     assert prov["dtype"] == "float64" and prov["blessed_at"]
+    assert prov["semantics"] == golden_mod.SEMANTICS_VERSION and prov["layout"] == {}
+    # the config record: the scenario's resolved config (defaults filled in) and its sha
+    (sha, record), = doc["configs"].items()
+    assert prov["config_sha"] == sha
+    assert record["actor.optim.lr"] == 0.05 and record["steps"] == 2
+    assert record["actor.clip_ratio_c"] == 3.0  # a default the scenario does not set
     assert list(doc["backends"]) == ["reference@cpu"]
     steps = doc["backends"]["reference@cpu"]["steps"]
     assert len(steps) == 2
@@ -185,11 +191,15 @@ def test_a_missing_or_extra_metric_fails(blessed, tmp_path):
     assert g.status == "fail" and "2 steps run, golden has 1" in g.message
 
 
-@pytest.mark.parametrize("field,word", [("rollout_sha", "rollout"), ("model_sha", "model")])
+@pytest.mark.parametrize("field,word", [("rollout_sha", "rollout"), ("model_sha", "model"),
+                                        ("ref_model_sha", "reference model"),
+                                        ("semantics", "semantics version 0"),
+                                        ("layout", "layout")])
 def test_changed_provenance_is_stale_and_not_compared(blessed, tmp_path, field, word):
     scn, _, _, res = blessed
     gdir, doc = golden_copy(blessed, tmp_path)
-    doc["provenance"][field] = "0" * 16
+    prov = doc["backends"]["reference@cpu"]["provenance"]
+    prov[field] = {"semantics": 0, "layout": {"dp": 2}}.get(field, "0" * 16)
     for step in doc["backends"]["reference@cpu"]["steps"]:  # would fail if compared
         for w in step.values():
             w["value"] += 1.0
@@ -203,14 +213,14 @@ def test_changed_provenance_is_stale_and_not_compared(blessed, tmp_path, field, 
     assert not res.passed
 
 
-def test_missing_golden_is_reported_and_does_not_fail(blessed, tmp_path):
+def test_missing_golden_is_its_own_state_not_a_pass(blessed, tmp_path):
     scn, _, _, res = blessed
     (g,) = golden_mod.compare_or_bless(scn, res.runs, tmp_path, bless=False)
-    assert g.status == "missing"
+    assert g.status == "no golden"
     assert f"rlaudit golden bless {scn.name}" in g.message
     assert list(tmp_path.iterdir()) == []
     res.golden = [g]
-    assert res.passed
+    assert not res.passed and res.state == "no golden"
 
 
 def test_golden_without_this_backend_is_missing(blessed, tmp_path):
@@ -219,7 +229,7 @@ def test_golden_without_this_backend_is_missing(blessed, tmp_path):
     doc["backends"] = {"reference@cuda": doc["backends"]["reference@cpu"]}
     (gdir / f"{scn.name}.json").write_text(json.dumps(doc))
     (g,) = golden_mod.compare_or_bless(scn, res.runs, gdir, bless=False)
-    assert g.status == "missing" and "reference@cpu" in g.message
+    assert g.status == "no golden" and "reference@cpu" in g.message
 
 
 def test_blessing_a_subset_keeps_other_backends_entries(blessed, tmp_path):

@@ -16,10 +16,12 @@ The FSDP and Megatron backends (and multi-rank tests) run their ranks through :f
     launch(check_allreduce, 2, args=(1.0,), device="cuda")   # nccl, cuda:<local_rank>
 
 What a rank gets: the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``)
-plus ``env``, all set before torch is imported in the rank; ``OMP_NUM_THREADS`` and
-``torch.set_num_threads`` = ``threads_per_rank``; an initialised default process group; on CUDA
-its device set to ``local_rank``; stdout/stderr (file descriptors, so C++ output too) in a log file.
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = ``host``, ``MASTER_PORT``,
+``TORCHELASTIC_USE_AGENT_STORE``), ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with NCCL)
+naming the interface of ``host``, plus ``env``, all set before torch is imported in the rank;
+``OMP_NUM_THREADS`` and ``torch.set_num_threads`` = ``threads_per_rank``; an initialised default
+process group; on CUDA its device set to ``local_rank``; stdout/stderr (file descriptors, so C++
+output too) in a log file.
 
 **Spawning is expensive** (each rank imports torch: 3-5 s for two ranks on a small CPU box): give
 ``fn`` many checks to run in one group and return all their results, rather than launching once
@@ -27,11 +29,13 @@ per check.
 
 Design decisions:
 
-- *Rendezvous*: the launcher hosts the TCP store itself, bound to port 0 on 127.0.0.1 so the OS
-  picks a free port that stays held for the whole launch: no bind-then-release race, so parallel
-  pytest-xdist workers and concurrent launches in threads cannot collide, and no retry loop is
-  needed. ``MASTER_PORT`` names that store and ``TORCHELASTIC_USE_AGENT_STORE=True`` tells any
-  ``env://`` init inside a rank to connect to it as a client -- exactly torchrun's agent store.
+- *Rendezvous*: the launcher hosts the TCP store itself, listening on ``host`` only (default
+  127.0.0.1; torch's store alone would listen on every interface, unauthenticated: see
+  ``_rendezvous``), on port 0 so the OS picks a free port that stays held for the whole launch:
+  no bind-then-release race, so parallel pytest-xdist workers and concurrent launches in threads
+  cannot collide, and no retry loop is needed. ``MASTER_PORT`` names that store and
+  ``TORCHELASTIC_USE_AGENT_STORE=True`` tells any ``env://`` init inside a rank to connect to it
+  as a client -- exactly torchrun's agent store.
 - *Results* travel as files: each rank saves its return value (``torch.save``) to a temporary
   file and renames it into place (atomic), *before* ``barrier()``/``destroy_process_group()``.
   A queue was rejected: a process killed after ``put`` can lose data still in the feeder
@@ -70,11 +74,10 @@ import shutil
 import sys
 import tempfile
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rlaudit.backends.launch import _group
+from rlaudit.backends.launch import _group, _rendezvous
 from rlaudit.backends.launch._common import MASTER_ADDR, RankInfo, RankSpec, scratch_dir
 from rlaudit.backends.launch._group import RankGroup
 from rlaudit.backends.launch._report import (RankOutcome, failure_message, order_outcomes,
@@ -85,7 +88,8 @@ __all__ = ["RankInfo", "RankOutcome", "RankTeardownWarning", "launch", "RESERVED
 
 #: Variables the launcher sets in every rank; ``env`` may not override them.
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS")
+                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS",
+                "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _DEVICES = ("cpu", "cuda")
 _BACKENDS = ("gloo", "nccl")
 _SOURCE = "launch()"
@@ -98,7 +102,7 @@ class RankTeardownWarning(RuntimeWarning):
 def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
            kwargs: Mapping[str, Any] | None = None, backend: str | None = None,
            device: str = "cpu", timeout: float = 300.0, env: Mapping[str, str] | None = None,
-           threads_per_rank: int = 1) -> list[Any]:
+           threads_per_rank: int = 1, host: str = MASTER_ADDR) -> list[Any]:
     """Run ``fn(info, *args, **kwargs)`` in ``world_size`` fresh processes; return their results.
 
     ``fn``: an importable (module-level) callable; ``info`` is the rank's :class:`RankInfo`.
@@ -107,13 +111,17 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     run, counted from when every rank has joined the process group (starting the ranks has its own
     bound, ``_group.STARTUP_TIMEOUT_S``, since a loaded machine may take tens of seconds to spawn).
     ``env``: extra environment variables for each rank (not :data:`RESERVED_ENV`).
+    ``host``: the address the rendezvous store and the ranks' gloo/NCCL sockets listen on; the
+    default, loopback, is right for every local launch. A multi-node setup passes this node's
+    address on the interface the other nodes reach; a wildcard (``0.0.0.0``) is refused.
 
     Returns the ranks' return values in rank order, loaded onto the CPU.
     Raises :class:`~rlaudit.errors.RankFailure` if any rank raised, died or was still running at
     the deadline (see the module docstring); :class:`~rlaudit.errors.InputError` for bad arguments.
     """
     backend = _check_arguments(world_size, backend, device, timeout, threads_per_rank)
-    rank_env = _check_env(env)
+    addr = _rendezvous.check_host(host)
+    rank_env = {**_check_env(env), **_rendezvous.rank_socket_env(addr, backend=backend)}
     payload = _pickle_payload(fn, args, kwargs)
     fn_name = _describe(fn)
 
@@ -125,9 +133,9 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         scratch_dir(root).mkdir()
         # the launcher enforces `timeout`; torch's own clocks only need to outlast startup
         torch_timeout = max(timeout, _group.STARTUP_TIMEOUT_S)
-        store = host_store(torch_timeout)
+        store = host_store(torch_timeout, addr)
         specs = [_spec(r, world_size, device, backend, root, store.port, torch_timeout,
-                       threads_per_rank, rank_env) for r in range(world_size)]
+                       threads_per_rank, rank_env, addr) for r in range(world_size)]
         group = RankGroup(specs, payload)
         try:
             with _no_main_reimport(fn):
@@ -149,24 +157,23 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         shutil.rmtree(root, ignore_errors=True)
 
 
-def host_store(timeout_s: float):
+def host_store(timeout_s: float, addr: str = MASTER_ADDR):
     """The rendezvous store a group's ranks join (``MASTER_PORT``): hosted by the launcher (or a
-    warm pool), port 0 so the OS picks a free one that stays held while the store lives."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(MASTER_ADDR, 0, None, is_master=True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    warm pool), listening on ``addr`` only (never every interface: see ``_rendezvous``), port 0
+    so the OS picks a free one that stays held while the store lives."""
+    return _rendezvous.rendezvous_store(addr, timeout=timeout_s)
 
 
 def _spec(rank: int, world_size: int, device: str, backend: str, root: Path, port: int,
-          timeout: float, threads: int, env: dict[str, str]) -> RankSpec:
+          timeout: float, threads: int, env: dict[str, str], addr: str = MASTER_ADDR) -> RankSpec:
     torchrun = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": MASTER_ADDR,
+                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": addr,
                 "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "OMP_NUM_THREADS": str(threads)}
     return RankSpec(rank=rank, world_size=world_size, local_rank=rank, device_type=device,
                     backend=backend, root=root, master_port=port, timeout_s=timeout,
-                    threads=threads, parent_pid=os.getpid(), env={**env, **torchrun})
+                    threads=threads, parent_pid=os.getpid(), env={**env, **torchrun},
+                    master_addr=addr)
 
 
 def _warn_teardown(group: RankGroup) -> None:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, BinaryIO, Callable
 if TYPE_CHECKING:
     import torch
 
-#: The address every rank connects to. All ranks of a launch are local processes.
+#: The default address of a launch's rendezvous store and ranks' sockets: loopback (all ranks
+#: of a launch are local processes; see _rendezvous for an explicit host).
 MASTER_ADDR = "127.0.0.1"
 
 
@@ -58,6 +59,8 @@ class RankSpec:
     threads: int
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
+    master_addr: str = MASTER_ADDR
+    """Where the launcher's rendezvous store listens (``launch(host=...)``)."""
 
     @property
     def files(self) -> "RankFiles":

@@ -113,7 +113,7 @@ def _init_distributed(spec: RankSpec) -> RankInfo:
         device = torch.device("cuda", spec.local_rank)
         torch.cuda.set_device(device)
         device_id = device if spec.backend == "nccl" else None
-    store = dist.TCPStore(MASTER_ADDR, spec.master_port, spec.world_size, is_master=False,
+    store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                           timeout=timeout)
     dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                             world_size=spec.world_size, timeout=timeout, device_id=device_id)

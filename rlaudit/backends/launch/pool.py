@@ -43,8 +43,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 from rlaudit.backends.launch import (_check_arguments, _check_env, _describe, _no_main_reimport,
                                      _pickle_payload, _spec, _warn_teardown, host_store, launch)
-from rlaudit.backends.launch import _group
-from rlaudit.backends.launch._common import register_task_reset
+from rlaudit.backends.launch import _group, _rendezvous
+from rlaudit.backends.launch._common import MASTER_ADDR, register_task_reset
 from rlaudit.backends.launch._group import FAILURE_GRACE_S, RankGroup
 from rlaudit.backends.launch._pool_worker import DONE, pool_rank_main
 from rlaudit.backends.launch._report import failure_message, order_outcomes
@@ -69,7 +69,9 @@ class RankPool:
                  torch_timeout: float = _group.STARTUP_TIMEOUT_S):
         self.backend = _check_arguments(world_size, backend, device, 1.0, threads_per_rank)
         self.world_size, self.device = world_size, device
-        self.env = _check_env(env)
+        # a pool's ranks are local: their gloo/NCCL sockets on loopback (launch._rendezvous)
+        self.env = {**_check_env(env),
+                    **_rendezvous.rank_socket_env(MASTER_ADDR, backend=self.backend)}
         self.threads = threads_per_rank
         self.torch_timeout = max(torch_timeout, _group.STARTUP_TIMEOUT_S)
         self.spawned = 0

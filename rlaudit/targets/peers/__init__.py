@@ -91,7 +91,24 @@ def activate(name: str, version: str | None = None) -> str | None:
         raise InputError(f"{name}=={version} is not installed under {peers_dir()} (installed: "
                          f"{have}; run `make peers`, see docs/peers.md)", key="--target")
     sys.path.insert(0, str(path))
+    _refresh_probes()
     return version
+
+
+def _refresh_probes() -> None:
+    """After a peers directory joined ``sys.path``: forget the import system's negative caches
+    and, when transformers is already imported, its cached ``is_<package>_available()``
+    answers (``lru_cache``d at first use: a process that imported transformers before TRL's
+    accelerate was on the path would refuse to build a Trainer)."""
+    import importlib
+    importlib.invalidate_caches()
+    probes = sys.modules.get("transformers.utils.import_utils")
+    if probes is None:
+        return
+    for attr in dir(probes):
+        fn = getattr(probes, attr)
+        if attr.startswith("is_") and attr.endswith("_available") and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
 
 
 #: the top-level module each peer installs (for "is it importable already?")
