@@ -383,10 +383,18 @@ def validate_target(spec: str, paths: list[Path]) -> object:
     stages' signatures and every named scenario's inputs; return the adapter or raise every
     problem together."""
     from rlaudit.targets.adapter import load_adapter
+    from rlaudit.targets.found import is_stage_case, load_stage_case
     adapter = load_adapter(spec)
     problems = Problems()
     for p in adapter_problems(adapter, spec):
         problems.take(p)
+    # stage cases written by `rlaudit fuzz` (scenarios/found/) are read as such, not as scenarios
+    for path in [p for p in paths if is_stage_case(p)]:
+        try:
+            load_stage_case(path)
+        except InputError as e:
+            problems.take(e)
+    paths = [p for p in paths if not is_stage_case(p)]
     try:
         validate_invocation(paths)
     except InputErrors as e:
