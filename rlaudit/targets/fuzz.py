@@ -158,6 +158,10 @@ def fuzz_target(target: str | object, *, stages: list[str] | None = None,
     adapter = load_adapter(target) if isinstance(target, str) else target
     decl = validate(adapter)
     name = adapter_name(adapter)
+    # a stage that cannot be called as the contract calls it is bad input, not a finding
+    from rlaudit.errors import raise_problems
+    from rlaudit.scenarios.validate import HEADER, adapter_problems
+    raise_problems(adapter_problems(adapter, spec), header=HEADER)
     unknown = sorted(set(stages or ()) - set(STAGES))
     if unknown:
         raise InputError(f"unknown stage(s) {unknown}; valid: {', '.join(STAGES)}",

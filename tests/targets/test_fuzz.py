@@ -94,6 +94,19 @@ def test_fuzz_finds_nothing_on_correct_adapters(adapter, tmp_path):
     assert not list(tmp_path.glob("*.yaml"))
 
 
+def test_a_stage_with_a_wrong_signature_is_bad_input_not_a_finding(tmp_path):
+    class WrongSignature(ReferenceAdapter):
+        name = "wrong-signature"
+
+        def kl_penalty(self, *, logp, ref):              # not the contract's names
+            return logp - ref
+
+    with pytest.raises(InputError, match="kl_penalty"):
+        fuzz_target(WrongSignature(), stages=["kl_penalty"], found_dir=tmp_path,
+                    report_dir=tmp_path)
+    assert not list(tmp_path.glob("*.yaml"))
+
+
 def test_bad_arguments_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="--budget"):
         fuzz_target(ReferenceAdapter(), budget=0, found_dir=tmp_path, report_dir=tmp_path)
