@@ -49,7 +49,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    import torch
+
+    from rlaudit.executors import process_threads
     from rlaudit.targets.fuzz import DEFAULT_BUDGET, fuzz_target
+    torch.set_num_threads(process_threads())   # one intra-op thread, as `rlaudit run` (tiny models)
     found_dir = args.found_dir or str(Path(args.scenarios_dir) / "found")
     budget = DEFAULT_BUDGET if args.budget is None else args.budget
     report = fuzz_target(args.target, stages=args.stages, budget=budget,

@@ -87,6 +87,10 @@ def _run(args) -> int:
         paths = (resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
                  if args.scenarios or args.all else [])
         adapter = validate_target(args.target, paths)  # stage signatures, scenario inputs
+        import torch
+
+        from rlaudit.executors import process_threads
+        torch.set_num_threads(process_threads())        # as for scenarios (RLAUDIT_THREADS)
         results = run_target(adapter, scenario_names=args.scenarios, all_=args.all,
                              scenarios_dir=args.scenarios_dir)
         if not args.json:
