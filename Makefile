@@ -1,7 +1,7 @@
 # rlaudit: set-up and the two entry points of the README.
 #   make run    set up .venv, then `rlaudit run --all` (sqlite MLflow store under reports/)
 #   make test   set up .venv and the pinned peers, then the test suite (what CI runs: .ci/run)
-#   make peers  install the pinned peers (requirements/peers/*.txt) under .peers/ (docs/peers.md)
+#   make peers  install the pinned peers (requirements/peers/*.txt, *.git) under .peers/ (docs/peers.md)
 # GPU machines: `make venv-gpu` then `make nightly-gpu` (see README).
 
 PY ?= python3

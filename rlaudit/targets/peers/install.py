@@ -27,7 +27,15 @@ Atomic: pip installs into a temporary directory beside the target, which is rena
 only when everything succeeded; an interrupted run leaves the previous install untouched.
 A lock file serialises concurrent runs on one peers directory.
 
-Exit codes: 0 done, 1 pip failed or the installed directory would shadow the environment,
+Peers not on the package index (slime) are pinned as commits in ``requirements/peers/<name>.git``
+(``url:``, ``package:``, one ``commit:`` line per snapshot). A commit already found where the
+adapter looks (:func:`rlaudit.targets.peers.source_snapshot`) is left alone; otherwise that one
+commit is fetched (``git fetch --depth 1``) and its package extracted, atomically, into
+``<peers dir>/<name>-<first 9 characters>``. When the fetch fails (no network), a run over every
+peer says so and goes on (those peers' tests skip naming where they looked); a run that named
+the peer fails.
+
+Exit codes: 0 done, 1 pip or git failed or the installed directory would shadow the environment,
 2 bad input (unknown name, a requirement that is not pinned with ``==``).
 """
 
@@ -155,18 +163,21 @@ def pip_options(path: Path) -> list[str]:
     return options
 
 
-def select(peers: list[Peer], names: list[str]) -> list[Peer]:
-    """The peers named ``<name>-<version>`` (or just ``<name>``: every pinned version)."""
-    if not names:
-        return peers
-    chosen = []
+def select(peers: list[Peer], names: list[str], snapshots: list | None = None):
+    """The peers named ``<name>-<version>`` (or just ``<name>``: every pinned version). With
+    ``snapshots`` (:func:`pinned_snapshots`), a pair: the pip peers and the snapshots named."""
+    shots_in = [] if snapshots is None else snapshots
+    chosen, snaps = ([], []) if names else (list(peers), list(shots_in))
     for name in names:
         hits = [p for p in peers if name in (p.key, p.name)]
-        if not hits:
-            raise InputError(f"no requirements/peers/{name}.txt; pinned: "
-                             f"{', '.join(p.key for p in peers) or 'none'}", key="NAME-VERSION")
+        shots = [s for s in shots_in if name in (s.key, s.name)]
+        if not hits and not shots:
+            pinned = [p.key for p in peers] + [s.key for s in shots_in]
+            raise InputError(f"no requirements/peers/{name}.txt (or .git); pinned: "
+                             f"{', '.join(pinned) or 'none'}", key="NAME-VERSION")
         chosen += [p for p in hits if p not in chosen]
-    return chosen
+        snaps += [s for s in shots if s not in snaps]
+    return chosen if snapshots is None else (chosen, snaps)
 
 
 @contextlib.contextmanager
@@ -264,6 +275,143 @@ def install(peer: Peer, *, quiet: bool = True) -> str:
             f"{_size(peer.target) / 2**20:.0f} MiB ({peer.target})")
 
 
+#: how long one snapshot fetch may take before it counts as failed
+FETCH_TIMEOUT_S = 300
+_GIT_KEY = re.compile(r"^(?P<key>url|package|commit):\s*(?P<value>\S+)\s*$")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One pinned commit of a peer published only as source (``requirements/peers/<name>.git``)."""
+
+    name: str
+    url: str
+    package: str
+    commit: str
+    source: Path
+
+    @property
+    def short(self) -> str:
+        return self.commit[:9]
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{self.short}"
+
+    @property
+    def target(self) -> Path:
+        return peers_dir() / self.key
+
+    def up_to_date(self) -> bool:
+        stamp = self.target / STAMP
+        return stamp.is_file() and stamp.read_text().strip() == self.commit
+
+
+def pinned_snapshots(requirements: Path | None = None) -> list[Snapshot]:
+    """Every commit pinned by a ``<name>.git`` file under ``requirements``, validated."""
+    requirements = REQUIREMENTS if requirements is None else requirements
+    out = []
+    for path in sorted(requirements.glob("*.git")):
+        name = path.stem
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise InputError(f"expected <name>.git (e.g. slime.git), got {path.name!r}",
+                             source=str(path))
+        values: dict[str, list[str]] = {"url": [], "package": [], "commit": []}
+        for n, raw in enumerate(path.read_text().splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            m = _GIT_KEY.match(line)
+            if m is None:
+                raise InputError(f"line {n}: expected 'url: URL', 'package: NAME' or "
+                                 f"'commit: SHA', got {line!r}", source=str(path))
+            values[m["key"]].append(m["value"])
+        for key in ("url", "package"):
+            if len(values[key]) != 1:
+                raise InputError(f"expected exactly one '{key}:' line, got {len(values[key])}",
+                                 source=str(path), key=key)
+        bad = [c for c in values["commit"] if not re.fullmatch(r"[0-9a-f]{40}", c)]
+        if bad or not values["commit"]:
+            raise InputError(f"expected one or more 'commit:' lines holding a full 40-character "
+                             f"sha (a short one could become ambiguous), got {bad or 'none'}",
+                             source=str(path), key="commit")
+        out += [Snapshot(name, values["url"][0], values["package"][0], c, path)
+                for c in values["commit"]]
+    return out
+
+
+def _found_elsewhere(snap: Snapshot) -> Path | None:
+    """Where the adapter already finds ``snap`` outside the peers directory, if anywhere."""
+    from rlaudit.targets.peers import SNAPSHOT_PEERS, source_snapshot
+    if snap.name not in SNAPSHOT_PEERS:
+        return None
+    try:
+        path, _ = source_snapshot(snap.name, snap.short)
+    except InputError:
+        return None
+    return path if path is not None and path.resolve() != snap.target.resolve() else None
+
+
+def _git(args: list[str], cwd: Path) -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=FETCH_TIMEOUT_S,
+                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"git {args[0]} failed (exit {proc.returncode}): "
+                           f"{(proc.stderr or proc.stdout).strip()[-1000:]}")
+    return proc.stdout
+
+
+def fetch(snap: Snapshot) -> str:
+    """Extract ``snap``'s package at its commit into its peers directory unless it is there or
+    the adapter finds it elsewhere; returns a one-line summary. Raises RuntimeError."""
+    if snap.up_to_date():
+        return f"{snap.key}: up to date ({snap.target})"
+    elsewhere = _found_elsewhere(snap)
+    if elsewhere is not None:
+        return f"{snap.key}: found in {elsewhere}"
+    t0 = time.perf_counter()
+    root = peers_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{snap.key}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    repo = tmp / ".git-fetch"
+    try:
+        repo.mkdir(parents=True)
+        _git(["init", "-q"], repo)
+        try:
+            _git(["fetch", "-q", "--depth", "1", snap.url, snap.commit], repo)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"git fetch of {snap.url} took over {FETCH_TIMEOUT_S} s") from None
+        got = _git(["rev-parse", "FETCH_HEAD"], repo).strip()
+        if got != snap.commit:
+            raise RuntimeError(f"{snap.url} answered {got} for {snap.commit}")
+        archive = subprocess.run(["git", "archive", "--format=tar", snap.commit, snap.package],
+                                 cwd=repo, capture_output=True, timeout=FETCH_TIMEOUT_S)
+        if archive.returncode != 0:
+            raise RuntimeError(f"{snap.commit} has no {snap.package}/ ({snap.source}): "
+                               f"{archive.stderr.decode(errors='replace').strip()[-500:]}")
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True,
+                       timeout=FETCH_TIMEOUT_S)
+        shutil.rmtree(repo)
+        if not (tmp / snap.package / "__init__.py").is_file():
+            raise RuntimeError(f"{snap.commit}: {snap.package}/__init__.py missing")
+        (tmp / STAMP).write_text(snap.commit + "\n")
+        old = root / f".old-{snap.key}-{os.getpid()}"
+        if snap.target.exists():
+            snap.target.rename(old)
+        tmp.rename(snap.target)
+        shutil.rmtree(old, ignore_errors=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{snap.key}: {e}") from None
+    except RuntimeError as e:
+        raise RuntimeError(f"{snap.key}: {e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return (f"{snap.key}: fetched {snap.commit} from {snap.url} in "
+            f"{time.perf_counter() - t0:.1f} s ({snap.target})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlaudit.targets.peers.install",
                                      description=__doc__.split("\n\n")[0])
@@ -273,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="show pip's output")
     args = parser.parse_args(argv)
     try:
-        peers = select(pinned_peers(), args.names)
+        peers, snapshots = select(pinned_peers(), args.names, pinned_snapshots())
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -281,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in peers:
             state = "installed" if p.up_to_date() else "not installed (or stale)"
             print(f"{p.key}: {state} ({p.target})")
+        for snap in snapshots:
+            where = snap.target if snap.up_to_date() else _found_elsewhere(snap)
+            print(f"{snap.key}: {'found in ' + str(where) if where else 'not fetched'}")
         return 0
     with _locked(peers_dir()):
         for peer in peers:
@@ -289,6 +440,15 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
+        for snap in snapshots:
+            try:
+                print(fetch(snap), flush=True)
+            except RuntimeError as e:
+                if args.names:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 1
+                print(f"warning: {e}; its tests will skip (docs/peers.md says where a "
+                      f"snapshot can be put by hand)", file=sys.stderr, flush=True)
     return 0
 
 

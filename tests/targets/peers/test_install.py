@@ -57,7 +57,8 @@ def test_first_requirement_is_the_peer_of_the_file_name(peers):
 
 def test_unknown_name_is_an_input_error(peers):
     _write(peers, "tool-1.0.txt", "tool==1.0\n")
-    with pytest.raises(InputError, match=r"no requirements/peers/other-2.txt; pinned: tool-1.0"):
+    with pytest.raises(InputError,
+                       match=r"no requirements/peers/other-2.txt \(or .git\); pinned: tool-1.0"):
         install.select(install.pinned_peers(peers), ["other-2"])
 
 
@@ -124,3 +125,81 @@ def test_main_exit_codes(peers, monkeypatch, capsys):
     assert "tool-1.0: installed" in capsys.readouterr().out
     assert install.main(["--list"]) == 0
     assert "tool-1.0: installed" in capsys.readouterr().out
+
+
+# ---- peers published only as source: requirements/peers/<name>.git ------------------------------
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def upstream(tmp_path) -> tuple[Path, list[str]]:
+    """A local git repository with package ``zzsnap/`` at two commits (``VALUE = 1``, then 2)."""
+    repo = tmp_path / "upstream"
+    (repo / "zzsnap").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    commits = []
+    for value in (1, 2):
+        (repo / "zzsnap" / "__init__.py").write_text(f"VALUE = {value}\n")
+        (repo / "README").write_text("not part of the package\n")
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", f"v{value}")
+        commits.append(_git(repo, "rev-parse", "HEAD"))
+    return repo, commits
+
+
+def test_snapshot_file_is_validated(peers):
+    _write(peers, "zzsnap.git", "url: file:///x\npackage: zzsnap\ncommit: abc123\n")
+    with pytest.raises(InputError, match=r"zzsnap.git.*commit.*full 40-character sha.*abc123"):
+        install.pinned_snapshots(peers)
+    _write(peers, "zzsnap.git", "url: file:///x\ncommit: " + "a" * 40 + "\n")
+    with pytest.raises(InputError, match=r"zzsnap.git.*exactly one 'package:' line, got 0"):
+        install.pinned_snapshots(peers)
+    _write(peers, "zzsnap.git", "url file:///x\n")
+    with pytest.raises(InputError, match=r"zzsnap.git: line 1: expected 'url: URL'"):
+        install.pinned_snapshots(peers)
+
+
+def test_snapshot_fetch_extracts_the_package_at_each_commit(peers, upstream):
+    repo, commits = upstream
+    _write(peers, "zzsnap.git", f"# two commits\nurl: file://{repo}\npackage: zzsnap\n"
+                                f"commit: {commits[0]}\ncommit: {commits[1]}  # newer\n")
+    snaps = install.pinned_snapshots(peers)
+    assert [s.key for s in snaps] == [f"zzsnap-{c[:9]}" for c in commits]
+    for snap, value in zip(snaps, (1, 2)):
+        assert "fetched" in install.fetch(snap)
+        assert (snap.target / "zzsnap" / "__init__.py").read_text() == f"VALUE = {value}\n"
+        assert not (snap.target / "README").exists()          # only the package
+        assert not (snap.target / ".git-fetch").exists()
+        assert install.fetch(snap).endswith("up to date (" + str(snap.target) + ")")
+    assert not [p for p in snaps[0].target.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_snapshot_fetch_failure_leaves_nothing_and_make_peers_goes_on(peers, upstream,
+                                                                     monkeypatch, capsys):
+    repo, commits = upstream
+    missing = "f" * 40
+    _write(peers, "zzsnap.git", f"url: file://{repo}\npackage: zzsnap\ncommit: {missing}\n")
+    (snap,) = install.pinned_snapshots(peers)
+    with pytest.raises(RuntimeError, match=rf"zzsnap-fffffffff: git fetch failed"):
+        install.fetch(snap)
+    assert not snap.target.exists()
+    assert not [p for p in snap.target.parent.iterdir() if p.name.startswith(".tmp-")]
+    monkeypatch.setattr(install, "REQUIREMENTS", peers)
+    assert install.main([]) == 0                              # every peer: a warning, go on
+    assert "warning: zzsnap-fffffffff: git fetch failed" in capsys.readouterr().err
+    assert install.main(["zzsnap"]) == 1                      # named: a failure
+
+
+def test_snapshot_the_adapter_already_finds_is_not_fetched(peers, tmp_path, monkeypatch):
+    commit = "624b824a898ab0ec1fcb4d373004c7f3852bf515"          # slime's pinned default
+    held = tmp_path / "held"
+    (held / commit[:9] / "slime").mkdir(parents=True)
+    (held / commit[:9] / "slime" / "__init__.py").write_text("")
+    monkeypatch.setenv("RLAUDIT_SLIME_DIR", str(held))
+    _write(peers, "slime.git", f"url: file:///nowhere\npackage: slime\ncommit: {commit}\n")
+    (snap,) = install.pinned_snapshots(peers)
+    assert install.fetch(snap) == f"slime-624b824a8: found in {held / commit[:9]}"
+    assert not snap.target.exists()
