@@ -275,8 +275,10 @@ def install(peer: Peer, *, quiet: bool = True) -> str:
             f"{_size(peer.target) / 2**20:.0f} MiB ({peer.target})")
 
 
-#: how long one snapshot fetch may take before it counts as failed
-FETCH_TIMEOUT_S = 300
+#: how long one git call of a snapshot fetch may take before it counts as failed (a firewall
+#: that drops packets would otherwise hold `make test` for git's own connect timeouts); after a
+#: failed fetch, the other commits of that URL are not tried in the same run
+FETCH_TIMEOUT_S = 90
 _GIT_KEY = re.compile(r"^(?P<key>url|package|commit):\s*(?P<value>\S+)\s*$")
 
 
@@ -357,7 +359,8 @@ def _git(args: list[str], cwd: Path) -> str:
                           timeout=FETCH_TIMEOUT_S,
                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
     if proc.returncode != 0:
-        raise RuntimeError(f"git {args[0]} failed (exit {proc.returncode}): "
+        verb = next(a for a in args if not a.startswith("-") and "=" not in a)
+        raise RuntimeError(f"git {verb} failed (exit {proc.returncode}): "
                            f"{(proc.stderr or proc.stdout).strip()[-1000:]}")
     return proc.stdout
 
@@ -380,7 +383,8 @@ def fetch(snap: Snapshot) -> str:
         repo.mkdir(parents=True)
         _git(["init", "-q"], repo)
         try:
-            _git(["fetch", "-q", "--depth", "1", snap.url, snap.commit], repo)
+            _git(["-c", "http.lowSpeedLimit=1000", "-c", "http.lowSpeedTime=30", "fetch", "-q",
+                  "--depth", "1", snap.url, snap.commit], repo)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"git fetch of {snap.url} took over {FETCH_TIMEOUT_S} s") from None
         got = _git(["rev-parse", "FETCH_HEAD"], repo).strip()
@@ -440,10 +444,15 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
+        unreachable: dict[str, str] = {}
         for snap in snapshots:
             try:
+                if snap.url in unreachable and not snap.up_to_date() and \
+                        _found_elsewhere(snap) is None:
+                    raise RuntimeError(f"{snap.key}: not tried, {snap.url} failed above")
                 print(fetch(snap), flush=True)
             except RuntimeError as e:
+                unreachable[snap.url] = str(e)
                 if args.names:
                     print(f"error: {e}", file=sys.stderr)
                     return 1

@@ -188,8 +188,13 @@ def test_snapshot_fetch_failure_leaves_nothing_and_make_peers_goes_on(peers, ups
     assert not snap.target.exists()
     assert not [p for p in snap.target.parent.iterdir() if p.name.startswith(".tmp-")]
     monkeypatch.setattr(install, "REQUIREMENTS", peers)
+    _write(peers, "zzsnap.git", f"url: file://{repo}\npackage: zzsnap\ncommit: {missing}\n"
+                                f"commit: {'e' * 40}\n")
     assert install.main([]) == 0                              # every peer: a warning, go on
-    assert "warning: zzsnap-fffffffff: git fetch failed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning: zzsnap-fffffffff: git fetch failed" in err
+    # one failed fetch per URL: a dead network costs one timeout, not one per commit
+    assert f"warning: zzsnap-eeeeeeeee: not tried, file://{repo} failed above" in err
     assert install.main(["zzsnap"]) == 1                      # named: a failure
 
 
