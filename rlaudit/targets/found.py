@@ -115,10 +115,16 @@ def save_stage_case(directory: str | os.PathLike, name: str, *, target: str, che
         "input_kind": input_kind, "overrides": _yaml_overrides(draw.overrides),
         "message": message, "found_by": found_by,
     }
-    path = directory / f"{name}.yaml"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    return write_yaml(directory / f"{name}.yaml", doc)
+
+
+def write_yaml(path: Path, doc: dict, *, header: str = "") -> Path:
+    """Write ``doc`` (after the comment lines ``header``) to ``path`` atomically: a temporary
+    file in the same folder, renamed into place, so a reader never sees half a finding."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(header)
             yaml.safe_dump(doc, f, sort_keys=False, width=100)
         os.replace(tmp, path)
     except BaseException:

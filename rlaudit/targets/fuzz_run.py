@@ -50,6 +50,7 @@ from rlaudit.scenarios.result import ERROR, FAIL
 from rlaudit.scenarios.spec import Scenario
 from rlaudit.targets import builtin
 from rlaudit.targets.adapter import adapter_name, supported_names, supports
+from rlaudit.targets.found import write_yaml
 from rlaudit.targets.fuzz_inputs import default_first
 
 #: examples per run-level fuzz (``--run-budget``; the default example first). The rarest
@@ -410,17 +411,7 @@ def save_run_case(directory: Path, name: str, probe: RunProbe, ex: dict, *, targ
                                    "atol": builtin.TOLERANCE.atol}},
         "tags": ["found", "fuzz"],
     }
-    path = directory / f"{name}.yaml"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"# found_by: {found_by}\n")
-            yaml.safe_dump(doc, f, sort_keys=False, width=100)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_yaml(directory / f"{name}.yaml", doc, header=f"# found_by: {found_by}\n")
 
 
 __all__ = ["DEFAULT_RUN_BUDGET", "INVARIANTS", "fuzz_train_step", "knobs"]
