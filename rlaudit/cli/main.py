@@ -66,7 +66,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader left (`rlaudit list | head`): no traceback, and the exit status of a
+        # process that SIGPIPE ended (128 + 13), as `yes | head` gives; stdout goes to /dev/null
+        # so the interpreter's final flush cannot raise again
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
+    sys.exit(code)
 
 
 if __name__ == "__main__":

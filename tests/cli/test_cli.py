@@ -251,3 +251,15 @@ def test_console_script_entry_point(tmp_path):
     assert p.returncode == 2, p.stderr
     assert f"{bad}: backend: unknown key" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`rlaudit list | head -1`: the pipe closes under the CLI (here before it has printed
+    anything: it is still importing); it exits like a process SIGPIPE ended (141), with nothing
+    on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "rlaudit.cli.main", "list"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                       # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
