@@ -128,8 +128,9 @@ class TargetAdapter:
     #: arithmetic precision of the stage functions: "float64" | "float32" | "bfloat16"
     precision: str = "float64"
     #: train_step's model math: "hf-float64" (stock HF model in float64, float32 islands),
-    #: "float64" (exact, as rlaudit's backends), "float32", "bfloat16"
-    train_precision: str = "hf-float64"
+    #: "float64" (exact, as rlaudit's backends), "float32", "bfloat16"; None: ``precision``
+    #: when that is float32 or bfloat16, else "hf-float64"
+    train_precision: str | None = None
     #: per-stage precision overrides: {stage: precision}
     stage_precision: Mapping[str, str] = {}
     #: explicit tolerance overrides: {check | stage | invariant | metric name | "*": {rtol, atol}}

@@ -123,6 +123,10 @@ def to_variant_run(variant: Variant, out: TrainStepOutput, *, source: str,
             raise InputError(f"expected a [B, R] = {list(shape)} tensor, got "
                              f"{getattr(t, 'shape', type(t).__name__)}", source=source, key=name)
         run.tokens[name] = t.detach().cpu().clone()
+    dtypes = {p.dtype for step in out.params for p in step.values()
+              if isinstance(p, torch.Tensor)}
+    if dtypes:   # the narrowest, for identities over parameter deltas (grad-norm-identity)
+        run.info["param_dtype"] = str(min(dtypes, key=lambda d: torch.finfo(d).bits))
     for step, params in enumerate(out.params):
         names = sorted(params)
         run.param_names = names

@@ -283,7 +283,10 @@ def validate(adapter: object) -> Declarations:
     out = Declarations()
     out.precision = _names(getattr(adapter, "precision", None) or DEFAULT_PRECISION, precisions,
                            "precision", source)
-    out.train_precision = _names(getattr(adapter, "train_precision", None)
+    # a trainer that declares float32 or bfloat16 and says nothing of train_step computes its
+    # training in it too; otherwise a stock HF model in float64 (float32 islands)
+    implied = out.precision if out.precision in ("float32", "bfloat16") else None
+    out.train_precision = _names(getattr(adapter, "train_precision", None) or implied
                                  or DEFAULT_TRAIN_PRECISION, tuple(RUN_TOLERANCES),
                                  "train_precision", source)
     stage_precision = getattr(adapter, "stage_precision", None) or {}
