@@ -16,6 +16,8 @@ import torch
 from examples.toy_trainer import adapter as toy_adapter
 from examples.toy_trainer import trainer as toy
 from rlaudit.scenarios.result import ERROR, FAIL, NA, PASS
+from rlaudit.targets.checks import run_stage_checks
+from rlaudit.targets.reference import ReferenceAdapter
 from rlaudit.targets.runner import run_target
 
 pytestmark = pytest.mark.slow
@@ -70,3 +72,59 @@ def test_a_broken_bf16_trainer_is_still_caught():
     checks = _checks(BF16ToyKLSign())
     failed = {inv for (_, inv), c in checks.items() if c.status == FAIL}
     assert {"config-effect", "backend-parity"} <= failed, failed
+
+
+# ---- stage level: rlaudit's own stage functions evaluated in bfloat16 ---------------------------
+
+def _bf16(kw):
+    return {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v for k, v in kw.items()}
+
+
+class BF16Stages(ReferenceAdapter):
+    """The reference's advantages, KL and losses computed on bfloat16 inputs. Before: a group's
+    GRPO advantages summing to 0.03 (rounding of the terms, judged against the sum's size 0),
+    a clip fraction off by one token and a gradient 0 vs 0.11 at a token whose ratio sits on a
+    clip bound within bf16 rounding, each failed a correct computation."""
+    name = "reference-bf16"
+    precision = "bfloat16"
+
+    def compute_advantages(self, **kw):
+        return super().compute_advantages(**_bf16(kw))
+
+    def kl_penalty(self, **kw):
+        return super().kl_penalty(**_bf16(kw))
+
+    def agg_loss(self, **kw):
+        return super().agg_loss(**_bf16(kw))
+
+    def policy_loss(self, **kw):
+        return super().policy_loss(**_bf16(kw))
+
+
+class BF16RatioInverted(BF16Stages):
+    name = "reference-bf16-ratio-inverted"
+
+    def policy_loss(self, **kw):
+        kw["old_log_prob"], kw["log_prob"] = kw["log_prob"], kw["old_log_prob"]
+        return super().policy_loss(**kw)
+
+
+def _stage_statuses(adapter):
+    res = run_stage_checks(adapter, stages=["compute_advantages", "kl_penalty", "agg_loss",
+                                            "policy_loss"])
+    return {c.invariant: c for c in res.checks}
+
+
+def test_stage_functions_in_bf16_pass_at_their_declared_precision():
+    checks = _stage_statuses(BF16Stages())
+    bad = {k: c.message[:300] for k, c in checks.items() if c.status in (FAIL, ERROR)}
+    assert not bad, bad
+    assert checks["policy_loss:parity"].status == PASS
+    assert checks["compute_advantages:identities"].status == PASS
+
+
+def test_an_inverted_ratio_in_bf16_is_still_caught():
+    checks = _stage_statuses(BF16RatioInverted())
+    failed = {k for k, c in checks.items() if c.status == FAIL}
+    assert {"policy_loss:parity", "policy_loss:clip-effect"} <= failed, failed
