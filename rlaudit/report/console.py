@@ -57,6 +57,14 @@ def render_result(res: ScenarioResult) -> str:
     for c in res.checks:
         if c.status == "differs":
             out.append(f"  differs {c.invariant} [{c.backend}] (declared): {c.message}")
+    for b in backends:
+        mine = [c for c in res.checks if c.backend == b]
+        golden = [g for g in res.golden if g.backend == b and g.status != "no golden"]
+        if mine and all(c.status == "n/a" for c in mine) and not golden and b not in res.errors:
+            why = list(dict.fromkeys(c.message for c in mine))
+            more = f" (+{len(why) - 2} more reasons)" if len(why) > 2 else ""
+            out.append(f"  n/a [{b}]: no check applied to this backend: "
+                       f"{'; '.join(why[:2])}{more}")
     for b, err in res.errors.items():
         out.append(f"  backend {b} crashed:\n" + "\n".join("    " + ln for ln in err.splitlines()[-15:]))
     return "\n".join(out)
