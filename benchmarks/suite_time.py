@@ -21,7 +21,10 @@ before/after figures come from one method. Phases (rank 0's view for multi-rank 
     compute     the replay itself (probe forward, train steps, recording)
     other       per backend: pickling, results, supervision, teardown; per scenario: rollout
                 load and variants; per invocation: argument parsing, validation, printing
-    queued      a multi-rank replay waiting for its warm pool, busy with another scenario's task
+    queued      a multi-rank replay waiting for its warm pool: busy with another scenario's task,
+                or still starting (pools start in the background, ahead of their first task)
+    preload     (invocation) the forkserver's imports, in the background: CPU warm-pool ranks are
+                forked from it with torch, transformers and megatron-core already loaded
     checks / golden / report / mlflow    invariant checks, golden comparison, local report, MLflow
 
 Absolute figures depend on the machine and its load (say which when quoting them); shares are
@@ -116,14 +119,16 @@ def analyse(events: list[dict]) -> dict:
     scenarios = [e for e in mine if e["ev"] == "scenario"]
     replays = [e for e in mine if e["ev"] == "replay"]
     rows = []
+    of_scenario = {scn["scenario"]: _replays_of(scn, replays) for scn in scenarios}
     for scn in scenarios:
-        for w in [r for r in replays if _same_thread(r, scn)]:
+        for w in of_scenario[scn["scenario"]]:
             rows.append({"scenario": scn["scenario"], "backend": w["backend"], "wall": _dur(w),
                          **_replay_phases(w, mine, ranks)})
     per_scenario = {}
     for scn in scenarios:
         inside = [e for e in mine if _same_thread(e, scn)]
-        replay = sum(_dur(e) for e in inside if e["ev"] == "replay")
+        # wall time covered by the scenario's replays (its backends may overlap)
+        replay = _covered(of_scenario[scn["scenario"]])
         checks = sum(_dur(e) for e in inside if e["ev"] == "check")
         golden = sum(_dur(e) for e in inside if e["ev"] == "golden")
         imports = sum(_dur(e) for e in inside if e["ev"] == "import" and e["depth"] == 0
@@ -138,12 +143,41 @@ def analyse(events: list[dict]) -> dict:
     mlflow = sum(_dur(e) for e in mine if e["ev"] == "mlflow")
     startup_imports = sum(_dur(e) for e in mine if e["ev"] == "import" and e["depth"] == 0
                           and e["t0"] < first)
+    # background work: the forkserver's preload (a process of its own, no rank) and warm pools
+    # started ahead of their first task
+    others = [e for e in events if e["pid"] != parent and e.get("rank") is None]
+    preload = sum(_dur(e) for e in others if e["ev"] == "import" and e["depth"] == 0)
+    prestart = sum(_dur(e) for e in mine if e["ev"] == "launch"
+                   and not any(_same_thread(e, w) for w in replays))
     invocation = {"wall": cli["t1"] - start, "startup": startup - startup_imports,
                   "startup_imports": startup_imports, "scenarios": last - first,
                   "report": report, "mlflow": mlflow,
                   "other": cli["t1"] - last - report - mlflow,
-                  "concurrent": len({s.get("tid") for s in scenarios}) > 1}
+                  "preload": preload, "prestart": prestart,
+                  "concurrent": len({s.get("tid") for s in scenarios}) > 1
+                  or any(r.get("tid") != s.get("tid") for s in scenarios
+                         for r in of_scenario[s["scenario"]])}
     return {"rows": rows, "scenarios": per_scenario, "invocation": invocation}
+
+
+def _replays_of(scn: dict, replays: list[dict]) -> list[dict]:
+    """The scenario's replays: by the scenario the probe names (replays may run in threads of
+    their own), else -- a checkout whose probe events carry no name -- by thread and time."""
+    return [r for r in replays if r.get("scenario") == scn["scenario"]
+            or (r.get("scenario") is None and _same_thread(r, scn))]
+
+
+def _covered(windows: list[dict]) -> float:
+    """Wall time covered by the union of the windows."""
+    total, end = 0.0, None
+    for w in sorted(windows, key=lambda e: e["t0"]):
+        if end is None or w["t0"] > end:
+            total += _dur(w)
+            end = w["t1"]
+        elif w["t1"] > end:
+            total += w["t1"] - end
+            end = w["t1"]
+    return total
 
 
 def _replay_phases(w: dict, parent_events: list[dict], rank_events: list[dict]) -> dict:
@@ -218,6 +252,10 @@ def render(result: dict, quick: dict[str, float], meta: dict) -> str:
     if inv.get("concurrent"):
         lines.append("  (scenarios ran concurrently: phases overlap, so the shares add up to more "
                      "than 100 %; 'queued' is a replay waiting for a pool busy with another)")
+    if inv.get("preload") or inv.get("prestart"):
+        lines.append("  (background, overlapping the rest: forkserver preload "
+                     f"{inv.get('preload', 0.0):.1f} s, warm pools started ahead of their first "
+                     f"task {inv.get('prestart', 0.0):.1f} s)")
     shares = [("CLI start-up: heavy imports", inv["startup_imports"]),
               ("CLI start-up: parse, load + validate", inv["startup"]),
               ("imports between replays (CLI process)", scn_imports)]

@@ -87,11 +87,17 @@ def _import(name, globals=None, locals=None, fromlist=(), level=0):
 
 # ---- patches applied right after a module is imported -------------------------------------------
 
+#: The scenario each thread is running (run_scenario's wrapper sets it): a backend's replay may
+#: run in another thread (concurrent backends), so the replay event carries the scenario's name.
+_current = threading.local()
+
+
 class _BackendProxy:
     """What engine.get_backend returns under the probe: the backend with a timed ``replay``."""
 
     def __init__(self, inner):
         self._inner = inner
+        self._scenario = getattr(_current, "scenario", None)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -102,10 +108,23 @@ class _BackendProxy:
             return self._inner.replay(request)
         finally:
             emit("replay", t0, time.time(), backend=self._inner.name,
-                 variants=len(request.variants))
+                 variants=len(request.variants), scenario=self._scenario)
+
+
+def _scenario_named(fn):
+    @functools.wraps(fn)
+    def wrapper(scn, *args, **kwargs):
+        _current.scenario = scn.name
+        try:
+            return fn(scn, *args, **kwargs)
+        finally:
+            _current.scenario = None
+    return wrapper
 
 
 def _patch_engine(m) -> None:
+    if getattr(m, "run_scenario", None) is not None:
+        m.run_scenario = _scenario_named(m.run_scenario)
     _wrap_attr(m, "run_scenario", "scenario", lambda scn, *a, **k: {"scenario": scn.name})
     _wrap_attr(m, "load_rollout", "load")
     _wrap_attr(m, "build_variants", "variants")

@@ -81,10 +81,14 @@ class FSDPBackend:
             return False, "torch.distributed is not available"
         return True, ""
 
+    def rank_pool(self, layout: dict) -> tuple[str, int]:
+        """The warm pool a replay with ``layout`` runs in: (pool name, world size)."""
+        return "fsdp", int(layout.get("dp", 1))
+
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
-        dp = int(request.layout.get("dp", 1))
+        pool, dp = self.rank_pool(request.layout)
         # a warm pool when `rlaudit run` / a pytest session holds one, else a one-shot launch
-        per_rank = run_ranks(_rank_main, dp, pool="fsdp", args=(request,),
+        per_rank = run_ranks(_rank_main, dp, pool=pool, args=(request,),
                              device=request.device, timeout=request.timeout)
         runs = per_rank[0]
         for name, run in runs.items():

@@ -102,6 +102,7 @@ def _run(args) -> int:
         from rlaudit.scenarios.outcome import run_isolated
         from rlaudit.scenarios.validate import validate_invocation
         paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
+        _start_rank_imports(args)
         # every input of every scenario, before any runs: exit 2 with all problems, or go
         scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir,
                                         device=args.device)
@@ -113,12 +114,13 @@ def _run(args) -> int:
             # a late failure is this scenario's result: the others run, all are reported
             return run_isolated(scn, backends=backends, golden_dir=args.golden_dir,
                                 bless=args.bless, force=args.force, timeout=args.timeout,
-                                replay=replay)
+                                replay=replay, concurrent_backends=executor.concurrent_backends)
 
         try:
             with make_executor(args.executor, scenarios, backends=backends,
                                progress=not args.json or sys.stderr.isatty(),
-                               ray_address=args.ray_address, jobs=args.jobs) as executor:
+                               ray_address=args.ray_address, jobs=args.jobs,
+                               timeout=args.timeout) as executor:
                 for scn, res in executor.map(scenarios, run_one):
                     results.append(res)
                     if not args.json:
@@ -140,6 +142,21 @@ def _run(args) -> int:
         print(render_summary(results))
     from rlaudit.scenarios.outcome import exit_code
     return exit_code(results, require_golden=args.require_golden)
+
+
+def _start_rank_imports(args) -> None:
+    """Start the forkserver that CPU warm pools fork their ranks from now, so that its imports
+    (torch, transformers, megatron-core: seconds) overlap this process's own loading and
+    validation (rlaudit/backends/launch/_start.py). Not for runs that will fork no CPU rank:
+    --executor ray, --device cuda, the reference backend alone."""
+    if args.executor != "local" or args.device == "cuda":
+        return
+    if args.backends is not None and set(args.backends) <= {"reference"}:
+        return
+    from rlaudit.backends.launch import _start
+
+    if _start.start_method("cpu") == "forkserver":
+        _start.ensure_forkserver()
 
 
 def _report(results, args) -> None:

@@ -50,6 +50,24 @@ def process_threads() -> int:
     return threads
 
 
+def needed_pools(scenarios, backends: list[str] | None) -> list[tuple[str, int, str]]:
+    """``(pool name, world size, device)`` of every multi-rank replay the scenarios will do, in
+    the order of first use (backends whose ``rank_pool(layout)`` names a warm pool; an
+    unavailable backend needs none)."""
+    from rlaudit.backends.registry import get_backend
+    from rlaudit.scenarios.engine import planned_backends
+
+    keys: dict[tuple[str, int, str], None] = {}
+    for scn in scenarios:
+        for b in planned_backends(scn, backends)[0]:
+            backend = get_backend(b)
+            rank_pool = getattr(backend, "rank_pool", None)
+            if rank_pool is None or not backend.available()[0]:
+                continue
+            keys.setdefault((*rank_pool(scn.backends.get(b, {})), scn.device))
+    return list(keys)
+
+
 def job_count(scenarios, backends: list[str] | None) -> int:
     """How many scenario x backend replays ``run_scenario`` will do (for the progress line)."""
     from rlaudit.scenarios.engine import planned_backends
@@ -63,25 +81,35 @@ LOCAL_JOBS = 2
 
 
 class LocalExecutor:
-    """Scenarios on this machine, ``jobs`` at a time (threads; results in scenario order).
-    Multi-rank replays go to the warm pools of the enclosing
-    :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds one; a pool serves one
-    task at a time); in-process replays (the reference backend) run one at a time, as each seeds
-    the process's RNG. Results do not depend on ``jobs``: every replay is isolated."""
+    """Scenarios on this machine, ``jobs`` at a time (threads; results in scenario order), and
+    within a scenario its backends at once (``concurrent_backends``): the reference replays in
+    this process while the multi-rank backends' ranks work. Multi-rank replays go to the warm
+    pools of the enclosing :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds
+    one; a pool serves one task at a time), which are started in the background on entry
+    (``pools``: what :func:`needed_pools` lists); in-process replays (the reference backend) run
+    one at a time, as each seeds the process's RNG. Results do not depend on ``jobs`` or on the
+    overlap: every replay is isolated."""
 
     name = "local"
+    concurrent_backends = True
 
-    def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS):
+    def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS,
+                 pools: list[tuple[str, int, str]] | None = None, timeout: float = 300.0):
         self.progress = progress
         self.jobs = max(1, jobs)
         self.progress.parallel = self.jobs
         self._in_process = threading.Lock()
+        self._pools, self._timeout = list(pools or []), timeout
 
     def __enter__(self) -> "LocalExecutor":
         import torch
 
+        from rlaudit.backends.launch.pool import active
         from rlaudit.cli.quiet import quiet_loggers
 
+        warm = active()
+        if warm is not None and self._pools:  # ranks start while the first reference replays
+            warm.prestart(self._pools, timeout=self._timeout)
         torch.set_num_threads(process_threads())
         quiet_loggers()  # torch's own log handler: its warnings go to the run's log file
         return self
@@ -119,9 +147,11 @@ class LocalExecutor:
 
 def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
                   progress: bool = True, ray_address: str | None = None,
-                  jobs: int = LOCAL_JOBS):
+                  jobs: int = LOCAL_JOBS, timeout: float = 300.0):
     """The executor called ``name`` (see :data:`EXECUTORS`) with a progress display over the
-    scenarios' jobs."""
+    scenarios' jobs. ``timeout``: what the multi-rank replays will be given (the local
+    executor's prestarted pools take it as their process groups' timeout, as a pool started by
+    the replay would)."""
     total = job_count(scenarios, backends)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         from rlaudit.errors import InputError
@@ -132,7 +162,9 @@ def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
 
         return RayExecutor(total, address=ray_address, progress=progress,
                            gpu=any(scn.device == "cuda" for scn in scenarios))
-    return LocalExecutor(Progress(total, enabled=progress), jobs=jobs)
+    return LocalExecutor(Progress(total, enabled=progress), jobs=jobs,
+                         pools=needed_pools(scenarios, backends), timeout=timeout)
 
 
-__all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor"]
+__all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor",
+           "needed_pools"]

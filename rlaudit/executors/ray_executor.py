@@ -51,6 +51,7 @@ def _reference_in_rank(info, request, threads: int):
 
 class RayExecutor:
     name = "ray"
+    concurrent_backends = True  # each replay is its own Ray rank group
 
     def __init__(self, total: int, *, address: str | None = None, progress: bool = True,
                  gpu: bool = False):

@@ -7,6 +7,7 @@ the invariants, compare goldens.
 
 from __future__ import annotations
 
+import concurrent.futures as concurrent_futures
 import time
 import traceback
 from pathlib import Path
@@ -67,13 +68,46 @@ def _replay(backend, request: ReplayRequest):
     return backend.replay(request)
 
 
+def _replay_one(replay, backend, request):
+    """One backend's runs, or what went wrong: an InputError (re-raised by the caller), or the
+    error text of a crashed backend -- a finding, reported with its traceback."""
+    try:
+        return replay(backend, request)
+    except InputError as e:
+        return e
+    except RlauditError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def _replay_all(jobs, replay, *, concurrent: bool):
+    """``(backend name, outcome of _replay_one)`` for every job, in the jobs' order."""
+    if not concurrent or len(jobs) < 2:
+        done = []
+        for b, backend, request in jobs:
+            done.append((b, _replay_one(replay, backend, request)))
+            if isinstance(done[-1][1], InputError):
+                break  # bad input: nothing more runs
+        return done
+    with concurrent_futures.ThreadPoolExecutor(len(jobs),
+                                               thread_name_prefix="rlaudit-backend") as pool:
+        futures = [(b, pool.submit(_replay_one, replay, backend, request))
+                   for b, backend, request in jobs]
+        return [(b, f.result()) for b, f in futures]
+
+
 def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                  golden_dir: str | Path | None = None, bless: bool = False,
-                 timeout: float = 900.0, replay=None, force: bool = False) -> ScenarioResult:
+                 timeout: float = 900.0, replay=None, force: bool = False,
+                 concurrent_backends: bool = False) -> ScenarioResult:
     """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
     megatron-core not installed) are reported as n/a for every invariant, never as passed.
     ``replay(backend, request) -> {variant: VariantRun}`` carries out one backend's replay
     (default ``backend.replay(request)``; rlaudit.executors pass theirs: progress, Ray).
+    ``concurrent_backends``: hand every backend's replay to ``replay`` at once (threads), for an
+    executor whose replays may overlap (each is isolated: its own ranks, or the reference under
+    the executor's in-process lock); the results are the same, in the same order.
     ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
     crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
     left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate)."""
@@ -90,7 +124,7 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     for b in skipped:
         res.checks.append(CheckResult("*", b, NA, f"scenario {scn.name} does not configure "
                                                   f"backend {b}"))
-    runs = {}
+    jobs = []
     for b in names:
         backend = get_backend(b)
         ok, why = backend.available()
@@ -101,15 +135,16 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                                 ref_model=str(scn.ref_model) if scn.ref_model else None,
                                 layout=scn.backends.get(b, {}), dtype=scn.dtype, device=scn.device,
                                 timeout=timeout)
-        try:
-            runs[b] = (replay or _replay)(backend, request)
-            res.metrics[b] = runs[b]["base"].steps
-        except RlauditError as e:
-            if isinstance(e, InputError):
-                raise
-            res.errors[b] = str(e)
-        except Exception as e:  # a backend crashing is a finding, reported with its traceback
-            res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        jobs.append((b, backend, request))
+    runs = {}
+    for b, outcome in _replay_all(jobs, replay or _replay, concurrent=concurrent_backends):
+        if isinstance(outcome, InputError):
+            raise outcome
+        if isinstance(outcome, str):
+            res.errors[b] = outcome
+        else:
+            runs[b] = outcome
+            res.metrics[b] = outcome["base"].steps
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0] if err else "error",
                                       {"traceback": err}))

@@ -209,10 +209,6 @@ class TorchContext:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in self.model.named_parameters():
-            t = p.detach()
-            if hasattr(t, "full_tensor"):  # FSDP2 DTensor shard -> whole parameter (collective)
-                t = t.full_tensor()
-            out[name] = t.cpu()
-        return out
+        # FSDP2 DTensor shards -> whole parameters: one collective for all of them
+        whole = collectives.full_tensors({n: p.detach() for n, p in self.model.named_parameters()})
+        return {name: t.cpu() for name, t in whole.items()}

@@ -367,13 +367,23 @@ def test_concurrent_launches_do_not_collide_and_one_rank_works(recwarn):
     assert _no_rank_processes_left()
 
 
+_LAUNCHERS = {
+    # a one-shot launch: the rank is the launcher's child
+    "launch": "from rlaudit.backends.launch import launch; launch(t._write_pid_then_hang, 1, {})",
+    # a warm pool on CPU: the rank is forked from the launcher's forkserver, whose child it is
+    "pool": "from rlaudit.backends.launch.pool import RankPool; "
+            "RankPool(1).run(t._write_pid_then_hang, {})",
+}
+
+
 @pytest.mark.slow
-def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+@pytest.mark.parametrize("how", list(_LAUNCHERS))
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, how):
     pid_file = tmp_path / "rank.pid"
-    code = ("import test_launch as t; from rlaudit.backends.launch import launch; "
-            f"launch(t._write_pid_then_hang, 1, args=({str(pid_file)!r},))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)}
+    code = "import test_launch as t; " + _LAUNCHERS[how].format(f"args=({str(pid_file)!r},)")
+    env = {k: v for k, v in os.environ.items() if k != "RLAUDIT_START_METHOD"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env)
     try:
         deadline = time.monotonic() + 240
@@ -383,6 +393,8 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
             time.sleep(0.1)
         rank_pid = int(pid_file.read_text())
         assert _alive(rank_pid)
+        parent = int(Path(f"/proc/{rank_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert (parent == launcher.pid) == (how == "launch")  # the pool's is the forkserver
     finally:
         launcher.kill()
         launcher.wait()

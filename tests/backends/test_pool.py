@@ -222,3 +222,86 @@ def test_results_do_not_depend_on_what_ran_before_in_the_pool():
     # and the layouts really ran: TP/PP/DP each give megatron's own layout record
     assert results["megatron-pp"][0]["base"].info["layout"] == {"tp": 1, "pp": 2, "dp": 1}
     assert len(results["fsdp"][0]["base"].micro_log[0]) == 2  # two ranks' micro-batch logs
+
+
+# ----------------------------------------------------------------------------- start methods
+
+
+def _start_state(info):
+    """What a pool rank looked like when its first task started: its parent, and whether the
+    heavy modules were there before this task imported anything."""
+    import sys
+
+    heavy = ("transformers.models.qwen2.modeling_qwen2", "rlaudit.backends.fsdp",
+             "torch.distributed.fsdp")
+    return {"pid": os.getpid(), "ppid": os.getppid(),
+            "preloaded": {m: m in sys.modules for m in heavy}}
+
+
+@pytest.mark.slow
+def test_cpu_pool_ranks_are_forked_from_the_preloaded_forkserver(monkeypatch):
+    from rlaudit.backends.launch import _start
+
+    monkeypatch.delenv("RLAUDIT_START_METHOD", raising=False)
+    pool = RankPool(2)
+    try:
+        out = pool.run(_start_state)
+    finally:
+        pool.close()
+    server = _start.forkserver_pid()
+    assert server is not None
+    assert [r["ppid"] for r in out] == [server, server]  # forked by the forkserver, not spawned
+    for r in out:
+        assert all(r["preloaded"].values()), r["preloaded"]  # imported before the task came
+
+
+@pytest.mark.slow
+def test_spawn_start_method_is_honoured_and_bad_values_are_input_errors(monkeypatch):
+    from rlaudit.backends.launch import _start
+
+    monkeypatch.setenv("RLAUDIT_START_METHOD", "spawn")
+    assert _start.start_method("cpu") == "spawn"
+    pool = RankPool(1)
+    try:
+        out = pool.run(_start_state)
+    finally:
+        pool.close()
+    assert out[0]["ppid"] == os.getpid() and not out[0]["preloaded"]["rlaudit.backends.fsdp"]
+    monkeypatch.setenv("RLAUDIT_START_METHOD", "fork")
+    with pytest.raises(InputError, match="RLAUDIT_START_METHOD"):
+        _start.start_method("cpu")
+    monkeypatch.setenv("RLAUDIT_START_METHOD", "forkserver")
+    assert _start.start_method("cuda") == "spawn"  # a forked process cannot use CUDA
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_forked_and_spawned_ranks_give_bitwise_the_same_replays(monkeypatch):
+    """The forkserver holds imported modules and nothing else: a replay in ranks forked from it
+    is bit for bit the replay in freshly spawned ranks (FSDP and Megatron TP)."""
+    pytest.importorskip("megatron.core")
+    from rlaudit.backends.registry import get_backend
+
+    requests = {k: v for k, v in _requests().items() if k in ("fsdp", "megatron-tp")}
+    results = {}
+    for method in ("forkserver", "spawn"):
+        monkeypatch.setenv("RLAUDIT_START_METHOD", method)
+        with warm_pools():
+            for label, (backend, request) in requests.items():
+                results.setdefault(label, []).append(get_backend(backend).replay(request))
+    problems = []
+    for label, (forked, spawned) in results.items():
+        for variant in forked:
+            problems += _same(forked[variant], spawned[variant], f"{label}/{variant}")
+    assert not problems, problems
+
+
+@pytest.mark.slow
+def test_prestart_brings_pools_up_before_their_first_task():
+    with warm_pools() as pools:
+        thread = pools.prestart([("t", 2, "cpu"), ("t", 2, "cpu"), ("u", 1, "cpu")])
+        thread.join(240)
+        assert pools.pool("t", 2).alive and pools.pool("u", 1).alive
+        out = run_ranks(_sum_ranks, 2, pool="t", args=(1.0,))
+        assert [r["sum"] for r in out] == [3.0, 3.0]
+        assert pools.stats == {"pools": 2, "spawned": 2, "tasks": 1, "respawned": 0}

@@ -58,11 +58,12 @@ class RankGroup:
     """
 
     def __init__(self, specs: list[RankSpec], payload: bytes | None, *, target=rank_main,
-                 extra_args: list[tuple] | None = None, name: str = "rlaudit-rank"):
+                 extra_args: list[tuple] | None = None, name: str = "rlaudit-rank", ctx=None):
         """``target(spec, payload, *extra_args[rank])`` runs in each process (a warm pool passes
         its own target, no payload and a pipe end per rank); processes are named
-        ``<name><rank>``."""
-        ctx = mp.get_context("spawn")
+        ``<name><rank>``. ``ctx``: the multiprocessing context that starts them (default spawn;
+        a CPU warm pool forks them from its preloaded forkserver: ``_start``)."""
+        ctx = ctx or mp.get_context("spawn")
         self.files: list[RankFiles] = [s.files for s in specs]
         extra = extra_args or [()] * len(specs)
         self.procs = [ctx.Process(target=target, args=(s, payload, *extra[s.rank]),

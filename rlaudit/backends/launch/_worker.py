@@ -162,14 +162,30 @@ def _record_error(spec: RankSpec, phase: str, exc: BaseException, *,
                          f"{type(exc).__name__}: {message}\n")
 
 
-def _watch_parent(parent_pid: int, root: Path) -> None:
+def _watch_parent(launcher_pid: int, root: Path) -> None:
     """Once the launcher has gone (killed hard), remove its launch folder, which nobody will read,
-    and kill this rank's whole process group."""
+    and kill this rank's whole process group.
+
+    A spawned rank's parent is the launcher; a rank forked from the launcher's forkserver
+    (``_start``) has the forkserver as its parent, which leaves when the launcher does. Either way
+    the rank's parent changing means the launcher is gone; the launcher's own pid is watched too
+    (a forkserver outliving it for a moment must not keep the rank alive)."""
+    parent = os.getppid()
     while True:
-        time.sleep(_PARENT_POLL_S)
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent or not _alive(launcher_pid):
             shutil.rmtree(root, ignore_errors=True)
             os.killpg(0, signal.SIGKILL)
+        time.sleep(_PARENT_POLL_S)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, someone else's (cannot be: it started us) -- alive
+        return True
+    return True
 
 
 def _exit(code: int) -> None:

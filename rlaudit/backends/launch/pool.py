@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from rlaudit.backends.launch import (_check_arguments, _check_env, _describe, _no_main_reimport,
                                      _pickle_payload, _spec, _warn_teardown, host_store, launch)
-from rlaudit.backends.launch import _group, _rendezvous
+from rlaudit.backends.launch import _group, _rendezvous, _start
 from rlaudit.backends.launch._common import MASTER_ADDR, register_task_reset
 from rlaudit.backends.launch._group import FAILURE_GRACE_S, RankGroup
 from rlaudit.backends.launch._pool_worker import DONE, pool_rank_main
@@ -104,6 +104,13 @@ class RankPool:
             self.tasks += 1
             return self._run_task(payload, _describe(fn), timeout)
 
+    def start(self) -> None:
+        """Start the ranks now, if they are not up (``run`` starts them on first use otherwise).
+        A failure is raised here as it would be by ``run``; the next ``run`` spawns afresh."""
+        with self._lock:
+            if self._group is None:
+                self._start(None)
+
     def close(self) -> None:
         """Ask the ranks to leave, kill what is left, remove the pool's folder. Idempotent."""
         with self._lock:
@@ -117,11 +124,12 @@ class RankPool:
         specs = [_spec(r, self.world_size, self.device, self.backend, self._root,
                        self._store.port, self.torch_timeout, self.threads, self.env)
                  for r in range(self.world_size)]
-        ctx = mp.get_context("spawn")
+        ctx = _start.context(self.device)  # CPU: forked from the preloaded forkserver
         pipes = [ctx.Pipe() for _ in specs]
         self._conns = [parent for parent, _ in pipes]
         group = RankGroup(specs, None, target=pool_rank_main,
-                          extra_args=[(child,) for _, child in pipes], name="rlaudit-pool-rank")
+                          extra_args=[(child,) for _, child in pipes], name="rlaudit-pool-rank",
+                          ctx=ctx)
         self._pool_files = list(group.files)
         self._group = group
         self.spawned += 1
@@ -261,6 +269,7 @@ class PoolSet:
     def __init__(self):
         self._pools: dict[tuple, RankPool] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def pool(self, name: str, world_size: int, *, device: str = "cpu",
              backend: str | None = None, env: Mapping[str, str] | None = None,
@@ -274,6 +283,26 @@ class PoolSet:
                                             torch_timeout=timeout)
             return self._pools[key]
 
+    def prestart(self, keys, *, timeout: float = 300.0) -> threading.Thread:
+        """Start the pools named by ``keys`` -- ``(name, world size, device)`` in the order they
+        will be needed -- one after the other in a background thread, so that their ranks start
+        (fork, rendezvous) while this process does other work. A pool that fails to start is
+        left to its first task, which spawns it afresh and reports the failure."""
+        keys = list(dict.fromkeys(keys))
+
+        def start_all():
+            for name, world_size, device in keys:
+                if self._closed:
+                    return
+                try:
+                    self.pool(name, world_size, device=device, timeout=timeout).start()
+                except Exception:  # noqa: BLE001 - reported by the task that needs the pool
+                    pass
+
+        thread = threading.Thread(target=start_all, name="rlaudit-pool-prestart", daemon=True)
+        thread.start()
+        return thread
+
     @property
     def stats(self) -> dict[str, int]:
         pools = list(self._pools.values())
@@ -282,6 +311,7 @@ class PoolSet:
                 "respawned": spawned - sum(1 for p in pools if p.spawned)}
 
     def close(self) -> None:
+        self._closed = True
         for p in list(self._pools.values()):
             p.close()
 
@@ -301,7 +331,10 @@ def warm_pools() -> Iterator[PoolSet]:
     finally:
         with _ACTIVE_LOCK:
             _ACTIVE.remove(pools)
+            outermost = not _ACTIVE
         pools.close()
+        if outermost:  # nothing forks ranks any more: the preloaded forkserver can go
+            _start.stop_forkserver()
 
 
 def active() -> PoolSet | None:

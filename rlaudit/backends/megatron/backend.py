@@ -213,12 +213,17 @@ class MegatronBackend:
             return False, "torch.distributed is not available"
         return True, ""
 
+    def rank_pool(self, layout: dict) -> tuple[str, int]:
+        """The warm pool a replay with ``layout`` runs in: (pool name, world size). One pool per
+        world size serves every layout of that size: replay_in_rank builds (and tears down) the
+        layout's parallel_state per request."""
+        tp, pp, dp = parse_layout(layout)
+        return "megatron", tp * pp * dp
+
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         layout = check_request(request)
-        tp, pp, dp = layout
-        # one warm pool per world size serves every layout of that size: replay_in_rank builds
-        # (and tears down) the layout's parallel_state per request
-        per_rank = run_ranks(replay_in_rank, tp * pp * dp, pool="megatron", args=(request,),
+        pool, world = self.rank_pool(request.layout)
+        per_rank = run_ranks(replay_in_rank, world, pool=pool, args=(request,),
                              device=request.device, timeout=request.timeout)
         return merge_ranks(per_rank, layout)
 
