@@ -50,21 +50,27 @@ def process_threads() -> int:
     return threads
 
 
-def needed_pools(scenarios, backends: list[str] | None) -> list[tuple[str, int, str]]:
-    """``(pool name, world size, device)`` of every multi-rank replay the scenarios will do, in
-    the order of first use (backends whose ``rank_pool(layout)`` names a warm pool; an
-    unavailable backend needs none)."""
+def needed_pools(scenarios, backends: list[str] | None, *,
+                 reference_threads: int | None = None) -> list[tuple[str, int, str, int]]:
+    """``(pool name, world size, device, threads per rank)`` of every replay the scenarios will
+    run in a warm pool, in the order of first use: the multi-rank backends (those whose
+    ``rank_pool(layout)`` names a pool; an unavailable backend needs none) and, with
+    ``reference_threads``, the reference backend's one-rank pool."""
     from rlaudit.backends.registry import get_backend
     from rlaudit.scenarios.engine import planned_backends
 
-    keys: dict[tuple[str, int, str], None] = {}
+    keys: dict[tuple[str, int, str, int], None] = {}
     for scn in scenarios:
         for b in planned_backends(scn, backends)[0]:
+            if b == "reference":
+                if reference_threads is not None:
+                    keys.setdefault(("reference", 1, scn.device, reference_threads))
+                continue
             backend = get_backend(b)
             rank_pool = getattr(backend, "rank_pool", None)
             if rank_pool is None or not backend.available()[0]:
                 continue
-            keys.setdefault((*rank_pool(scn.backends.get(b, {})), scn.device))
+            keys.setdefault((*rank_pool(scn.backends.get(b, {})), scn.device, 1))
     return list(keys)
 
 
@@ -85,21 +91,26 @@ class LocalExecutor:
     within a scenario its backends at once (``concurrent_backends``): the reference replays in
     this process while the multi-rank backends' ranks work. Multi-rank replays go to the warm
     pools of the enclosing :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds
-    one; a pool serves one task at a time), which are started in the background on entry
-    (``pools``: what :func:`needed_pools` lists); in-process replays (the reference backend) run
-    one at a time, as each seeds the process's RNG. Results do not depend on ``jobs`` or on the
-    overlap: every replay is isolated."""
+    one; a pool serves one task at a time), started in the background on entry (what
+    :func:`needed_pools` lists for ``scenarios`` and ``backends``); in-process replays (the
+    reference backend) run one at a time, as each seeds the process's RNG. Results do not
+    depend on ``jobs`` or on the overlap: every replay is isolated.
+
+    Why the reference stays in this process: it can start at once, on the core left idle while
+    the forkserver imports the model stack for the ranks (measured on 2 cores: `kl_k1` alone
+    25 s this way, 35 s with the reference in a one-rank pool of its own, which has to wait for
+    that import and then competes with four ranks)."""
 
     name = "local"
     concurrent_backends = True
 
-    def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS,
-                 pools: list[tuple[str, int, str]] | None = None, timeout: float = 300.0):
+    def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS, scenarios=(),
+                 backends: list[str] | None = None, timeout: float = 300.0):
         self.progress = progress
         self.jobs = max(1, jobs)
         self.progress.parallel = self.jobs
         self._in_process = threading.Lock()
-        self._pools, self._timeout = list(pools or []), timeout
+        self._scenarios, self._backends, self._timeout = list(scenarios), backends, timeout
 
     def __enter__(self) -> "LocalExecutor":
         import torch
@@ -108,8 +119,8 @@ class LocalExecutor:
         from rlaudit.cli.quiet import quiet_loggers
 
         warm = active()
-        if warm is not None and self._pools:  # ranks start while the first reference replays
-            warm.prestart(self._pools, timeout=self._timeout)
+        if warm is not None and self._scenarios:  # ranks start while this process loads
+            warm.prestart(needed_pools(self._scenarios, self._backends), timeout=self._timeout)
         torch.set_num_threads(process_threads())
         quiet_loggers()  # torch's own log handler: its warnings go to the run's log file
         return self
@@ -162,8 +173,8 @@ def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
 
         return RayExecutor(total, address=ray_address, progress=progress,
                            gpu=any(scn.device == "cuda" for scn in scenarios))
-    return LocalExecutor(Progress(total, enabled=progress), jobs=jobs,
-                         pools=needed_pools(scenarios, backends), timeout=timeout)
+    return LocalExecutor(Progress(total, enabled=progress), jobs=jobs, scenarios=scenarios,
+                         backends=backends, timeout=timeout)
 
 
 __all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor",

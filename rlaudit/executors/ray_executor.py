@@ -39,16 +39,6 @@ from rlaudit.executors.progress import Progress
 LOCAL_EXTRA_CPUS = 4
 
 
-def _reference_in_rank(info, request, threads: int):
-    """The reference backend's replay inside a one-rank Ray group (module level: Ray imports it)."""
-    import torch
-
-    from rlaudit.backends.reference import ReferenceBackend
-
-    torch.set_num_threads(threads)
-    return ReferenceBackend().replay(request)
-
-
 class RayExecutor:
     name = "ray"
     concurrent_backends = True  # each replay is its own Ray rank group
@@ -115,7 +105,9 @@ class RayExecutor:
             self.progress.start(scenario, backend.name)
             try:
                 if backend.name == "reference":
-                    return pool_mod.run_ranks(_reference_in_rank, 1, pool="reference",
+                    from rlaudit.backends.reference import replay_in_rank
+
+                    return pool_mod.run_ranks(replay_in_rank, 1, pool="reference",
                                               args=(request, self._threads),
                                               device=request.device, timeout=request.timeout,
                                               threads_per_rank=self._threads)[0]

@@ -299,9 +299,9 @@ def test_forked_and_spawned_ranks_give_bitwise_the_same_replays(monkeypatch):
 @pytest.mark.slow
 def test_prestart_brings_pools_up_before_their_first_task():
     with warm_pools() as pools:
-        thread = pools.prestart([("t", 2, "cpu"), ("t", 2, "cpu"), ("u", 1, "cpu")])
+        thread = pools.prestart([("t", 2, "cpu", 1), ("t", 2, "cpu", 1), ("u", 1, "cpu", 2)])
         thread.join(240)
-        assert pools.pool("t", 2).alive and pools.pool("u", 1).alive
+        assert pools.pool("t", 2).alive and pools.pool("u", 1, threads_per_rank=2).alive
         out = run_ranks(_sum_ranks, 2, pool="t", args=(1.0,))
         assert [r["sum"] for r in out] == [3.0, 3.0]
         assert pools.stats == {"pools": 2, "spawned": 2, "tasks": 1, "respawned": 0}

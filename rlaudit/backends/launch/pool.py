@@ -284,18 +284,20 @@ class PoolSet:
             return self._pools[key]
 
     def prestart(self, keys, *, timeout: float = 300.0) -> threading.Thread:
-        """Start the pools named by ``keys`` -- ``(name, world size, device)`` in the order they
-        will be needed -- one after the other in a background thread, so that their ranks start
-        (fork, rendezvous) while this process does other work. A pool that fails to start is
-        left to its first task, which spawns it afresh and reports the failure."""
+        """Start the pools named by ``keys`` -- ``(name, world size, device, threads per rank)``
+        in the order they will be needed -- one after the other in a background thread, so that
+        their ranks start (fork, rendezvous) while this process does other work. A pool that
+        fails to start is left to its first task, which spawns it afresh and reports the
+        failure."""
         keys = list(dict.fromkeys(keys))
 
         def start_all():
-            for name, world_size, device in keys:
+            for name, world_size, device, threads in keys:
                 if self._closed:
                     return
                 try:
-                    self.pool(name, world_size, device=device, timeout=timeout).start()
+                    self.pool(name, world_size, device=device, threads_per_rank=threads,
+                              timeout=timeout).start()
                 except Exception:  # noqa: BLE001 - reported by the task that needs the pool
                     pass
 
