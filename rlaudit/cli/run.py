@@ -102,7 +102,7 @@ def _run(args) -> int:
         from rlaudit.scenarios.outcome import run_isolated
         from rlaudit.scenarios.validate import validate_invocation
         paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
-        _start_rank_imports(args)
+        _start_rank_imports(args, paths)
         # every input of every scenario, before any runs: exit 2 with all problems, or go
         scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir,
                                         device=args.device)
@@ -120,7 +120,8 @@ def _run(args) -> int:
             with make_executor(args.executor, scenarios, backends=backends,
                                progress=not args.json or sys.stderr.isatty(),
                                ray_address=args.ray_address, jobs=args.jobs,
-                               timeout=args.timeout) as executor:
+                               timeout=args.timeout,
+                               when_idle=lambda: _warm_report_imports(args)) as executor:
                 for scn, res in executor.map(scenarios, run_one):
                     results.append(res)
                     if not args.json:
@@ -144,19 +145,45 @@ def _run(args) -> int:
     return exit_code(results, require_golden=args.require_golden)
 
 
-def _start_rank_imports(args) -> None:
+def _start_rank_imports(args, paths) -> None:
     """Start the forkserver that CPU warm pools fork their ranks from now, so that its imports
     (torch, transformers, megatron-core: seconds) overlap this process's own loading and
-    validation (rlaudit/backends/launch/_start.py). Not for runs that will fork no CPU rank:
-    --executor ray, --device cuda, the reference backend alone."""
+    validation (rlaudit/backends/launch/_start.py) -- when some scenario will replay on a
+    multi-rank backend on CPU: not with --executor ray or --device cuda, nor for scenarios
+    that only name the reference backend (a glance at their files' ``backends`` and ``device``;
+    validation proper comes next, and whatever it finds, nothing is lost but this head start)."""
     if args.executor != "local" or args.device == "cuda":
         return
-    if args.backends is not None and set(args.backends) <= {"reference"}:
+    if not any(_forks_ranks(path, args.backends, args.device) for path in paths):
         return
     from rlaudit.backends.launch import _start
 
     if _start.start_method("cpu") == "forkserver":
         _start.ensure_forkserver()
+
+
+def _forks_ranks(path, backends: list[str] | None, device: str | None) -> bool:
+    import yaml
+
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+        named = set(spec.get("backends") or {})
+        on_cpu = (device or spec.get("device") or "cpu") == "cpu"
+    except Exception:  # noqa: BLE001 - validation reports it
+        return False
+    if backends is not None:
+        named &= set(backends)
+    return on_cpu and bool(named - {"reference"})
+
+
+def _warm_report_imports(args) -> None:
+    """The report's and MLflow's imports, in the background while ranks work (report/warm.py)."""
+    from rlaudit.report.mlflow_log import resolve_tracking_uri
+    from rlaudit.report.warm import warm_report_imports
+
+    uri = None if args.no_mlflow else resolve_tracking_uri(args.tracking_uri,
+                                                           Path(args.report_dir))[0]
+    warm_report_imports(mlflow_uri=uri)
 
 
 def _report(results, args) -> None:

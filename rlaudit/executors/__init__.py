@@ -105,12 +105,17 @@ class LocalExecutor:
     concurrent_backends = True
 
     def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS, scenarios=(),
-                 backends: list[str] | None = None, timeout: float = 300.0):
+                 backends: list[str] | None = None, timeout: float = 300.0,
+                 when_idle: Callable[[], object] | None = None):
+        """``when_idle``: called once, when the first in-process replay is back -- from then on
+        this process only waits for ranks until the checks (the CLI imports the report's and
+        MLflow's modules then: rlaudit.report.warm)."""
         self.progress = progress
         self.jobs = max(1, jobs)
         self.progress.parallel = self.jobs
         self._in_process = threading.Lock()
         self._scenarios, self._backends, self._timeout = list(scenarios), backends, timeout
+        self._when_idle = when_idle
 
     def __enter__(self) -> "LocalExecutor":
         import torch
@@ -153,16 +158,20 @@ class LocalExecutor:
                     return backend.replay(request)
                 finally:
                     self.progress.finish(scenario, backend.name)
+                    if not multi_rank and self._when_idle is not None:
+                        idle, self._when_idle = self._when_idle, None
+                        idle()
         return replay
 
 
 def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
                   progress: bool = True, ray_address: str | None = None,
-                  jobs: int = LOCAL_JOBS, timeout: float = 300.0):
+                  jobs: int = LOCAL_JOBS, timeout: float = 300.0,
+                  when_idle: Callable[[], object] | None = None):
     """The executor called ``name`` (see :data:`EXECUTORS`) with a progress display over the
     scenarios' jobs. ``timeout``: what the multi-rank replays will be given (the local
     executor's prestarted pools take it as their process groups' timeout, as a pool started by
-    the replay would)."""
+    the replay would). ``when_idle``: see :class:`LocalExecutor`."""
     total = job_count(scenarios, backends)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         from rlaudit.errors import InputError
@@ -174,7 +183,7 @@ def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
         return RayExecutor(total, address=ray_address, progress=progress,
                            gpu=any(scn.device == "cuda" for scn in scenarios))
     return LocalExecutor(Progress(total, enabled=progress), jobs=jobs, scenarios=scenarios,
-                         backends=backends, timeout=timeout)
+                         backends=backends, timeout=timeout, when_idle=when_idle)
 
 
 __all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor",

@@ -305,3 +305,29 @@ def test_prestart_brings_pools_up_before_their_first_task():
         out = run_ranks(_sum_ranks, 2, pool="t", args=(1.0,))
         assert [r["sum"] for r in out] == [3.0, 3.0]
         assert pools.stats == {"pools": 2, "spawned": 2, "tasks": 1, "respawned": 0}
+
+
+@pytest.mark.slow
+def test_an_unguarded_main_script_is_not_run_again_by_the_forkserver(tmp_path):
+    """multiprocessing's forkserver re-imports the parent's __main__ by default: a script
+    without an ``if __name__ == "__main__"`` guard would run twice. The pool's does not."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "runs.txt"
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "import test_pool as t\n"
+        "from rlaudit.backends.launch.pool import RankPool\n"
+        "pool = RankPool(1)\n"
+        "print(pool.run(t._sum_ranks, args=(2.0,))[0]['sum'])\n"
+        "pool.close()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RLAUDIT_START_METHOD"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2.0"
+    assert len(marker.read_text().splitlines()) == 1  # the script ran once

@@ -64,8 +64,10 @@ def ensure_forkserver(log: str | os.PathLike | None = None) -> None:
             pid, _ = os.waitpid(server._forkserver_pid, os.WNOHANG)
             if not pid:
                 return  # alive (a dead one is restarted by ensure_running below)
-        if PRELOAD_MODULE not in server._preload_modules:
-            server.set_forkserver_preload([*server._preload_modules, PRELOAD_MODULE])
+        # only the preload: multiprocessing's default also re-imports the parent's __main__ in
+        # the forkserver, which would run a user's unguarded script a second time (the
+        # launcher hides __main__ from spawned ranks for the same reason: _no_main_reimport)
+        server.set_forkserver_preload([PRELOAD_MODULE])
         # the forkserver inherits the environment when it starts: the switch that makes
         # _preload do its work (and only there) is set for that moment only
         saved = {k: os.environ.get(k) for k in ("RLAUDIT_PRELOAD_ACTIVE", "RLAUDIT_PRELOAD_LOG")}

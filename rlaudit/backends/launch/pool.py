@@ -83,6 +83,7 @@ class RankPool:
         self._root: Path | None = None
         self._store = None
         self._ids = itertools.count()
+        self._closed = False  # by close(): start() no longer brings it up (run() still does)
 
     @property
     def alive(self) -> bool:
@@ -105,15 +106,17 @@ class RankPool:
             return self._run_task(payload, _describe(fn), timeout)
 
     def start(self) -> None:
-        """Start the ranks now, if they are not up (``run`` starts them on first use otherwise).
-        A failure is raised here as it would be by ``run``; the next ``run`` spawns afresh."""
+        """Start the ranks now, if they are not up (``run`` starts them on first use otherwise)
+        and the pool was not closed meanwhile. A failure is raised here as it would be by
+        ``run``; the next ``run`` spawns afresh."""
         with self._lock:
-            if self._group is None:
+            if self._group is None and not self._closed:
                 self._start(None)
 
     def close(self) -> None:
         """Ask the ranks to leave, kill what is left, remove the pool's folder. Idempotent."""
         with self._lock:
+            self._closed = True
             self._shutdown()
 
     # ---- internals ------------------------------------------------------------------------------
@@ -277,6 +280,8 @@ class PoolSet:
         key = (name, world_size, device, backend, threads_per_rank,
                tuple(sorted((env or {}).items())))
         with self._lock:
+            if self._closed:  # e.g. a prestart thread still going when the block ended
+                raise RuntimeError("this set of warm pools is closed")
             if key not in self._pools:
                 self._pools[key] = RankPool(world_size, device=device, backend=backend, env=env,
                                             threads_per_rank=threads_per_rank,
@@ -293,13 +298,12 @@ class PoolSet:
 
         def start_all():
             for name, world_size, device, threads in keys:
-                if self._closed:
-                    return
                 try:
                     self.pool(name, world_size, device=device, threads_per_rank=threads,
                               timeout=timeout).start()
                 except Exception:  # noqa: BLE001 - reported by the task that needs the pool
-                    pass
+                    if self._closed:
+                        return
 
         thread = threading.Thread(target=start_all, name="rlaudit-pool-prestart", daemon=True)
         thread.start()
@@ -313,7 +317,8 @@ class PoolSet:
                 "respawned": spawned - sum(1 for p in pools if p.spawned)}
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         for p in list(self._pools.values()):
             p.close()
 
