@@ -76,6 +76,8 @@ def run(args) -> int:
         with third_party_to_log(log), warm_pools():
             return _run(args)
     finally:
+        from rlaudit.backends.launch import _start
+        _start.stop_forkserver()  # every pool is closed: no import left running after exit
         if log.is_file() and log.stat().st_size:
             print(f"third-party warnings and logs: {log}", file=sys.stderr)
 

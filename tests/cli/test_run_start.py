@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -35,3 +37,48 @@ def test_an_unreadable_scenario_is_left_to_validation(tmp_path):
     bad.write_text("backends: [unclosed")
     assert _forks_ranks(bad, None, None) is False
     assert _forks_ranks(tmp_path / "missing.yaml", None, None) is False
+
+
+def _processes_with(marker: str) -> list[int]:
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_run_leaves_no_forkserver_or_rank_behind(tmp_path):
+    """Everything `rlaudit run` started for its ranks (the forkserver, the forked ranks) is gone
+    when it exits -- also when it exits early on bad input."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    marker = f"RLAUDIT_TEST_MARK_{os.getpid()}_{time.monotonic_ns()}"
+    env = {**os.environ, marker: "1"}
+    env.pop("RLAUDIT_START_METHOD", None)
+    cli = [sys.executable, "-m", "rlaudit.cli.main", "run", "--report-dir", str(tmp_path),
+           "--no-mlflow"]
+    good = subprocess.run([*cli, "seed_stored_kl", "--backend", "fsdp"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert _processes_with(marker) == []
+    repo = Path(__file__).resolve().parents[2]
+    spec = yaml.safe_load((repo / "scenarios" / "seed_stored_kl.yaml").read_text())
+    for key in ("model", "ref_model"):
+        spec[key] = str(repo / "scenarios" / spec[key])
+    spec["rollout"] = str(repo / "scenarios" / spec["rollout"])
+    spec["config"].setdefault("actor", {})["no_such_key"] = 1  # found by validation
+    broken = _scenario(tmp_path, "broken", **spec)
+    bad = subprocess.run([*cli, str(broken)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode == 2 and "no_such_key" in bad.stderr, bad.stderr[-2000:]
+    assert _processes_with(marker) == []

@@ -92,8 +92,10 @@ def forkserver_pid() -> int | None:
 
 
 def stop_forkserver() -> None:
-    """Stop this process's forkserver, if it runs (its ranks were closed first); the next
-    :func:`ensure_forkserver` starts a new one."""
+    """Stop this process's forkserver, if it runs; the next :func:`ensure_forkserver` starts a
+    new one. Only once every pool forked from it is closed: a forked process's exit status
+    reaches its launcher through the forkserver, so with the forkserver gone a live rank reads
+    as dead (exit code 255). Otherwise the forkserver leaves by itself with this process."""
     import signal
     from multiprocessing import forkserver
 

@@ -166,26 +166,31 @@ def _watch_parent(launcher_pid: int, root: Path) -> None:
     """Once the launcher has gone (killed hard), remove its launch folder, which nobody will read,
     and kill this rank's whole process group.
 
-    A spawned rank's parent is the launcher; a rank forked from the launcher's forkserver
-    (``_start``) has the forkserver as its parent, which leaves when the launcher does. Either way
-    the rank's parent changing means the launcher is gone; the launcher's own pid is watched too
-    (a forkserver outliving it for a moment must not keep the rank alive)."""
-    parent = os.getppid()
+    A spawned rank is the launcher's child: its parent changing means the launcher is gone. A
+    rank forked from the launcher's forkserver (``_start``) is the forkserver's child, and the
+    forkserver may be stopped while the rank still serves its pool: such a rank watches the
+    launcher's pid itself."""
+    spawned = os.getppid() == launcher_pid
     while True:
-        if os.getppid() != parent or not _alive(launcher_pid):
+        if (os.getppid() != launcher_pid) if spawned else not _alive(launcher_pid):
             shutil.rmtree(root, ignore_errors=True)
             os.killpg(0, signal.SIGKILL)
         time.sleep(_PARENT_POLL_S)
 
 
 def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    except PermissionError:  # exists, someone else's (cannot be: it started us) -- alive
+    except OSError:  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
         return True
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _exit(code: int) -> None:

@@ -338,10 +338,7 @@ def warm_pools() -> Iterator[PoolSet]:
     finally:
         with _ACTIVE_LOCK:
             _ACTIVE.remove(pools)
-            outermost = not _ACTIVE
         pools.close()
-        if outermost:  # nothing forks ranks any more: the preloaded forkserver can go
-            _start.stop_forkserver()
 
 
 def active() -> PoolSet | None:
