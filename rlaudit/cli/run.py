@@ -77,7 +77,9 @@ def run(args) -> int:
             return _run(args)
     finally:
         from rlaudit.backends.launch import _start
-        _start.stop_forkserver()  # every pool is closed: no import left running after exit
+        from rlaudit.backends.launch.pool import ranks_alive
+        if not ranks_alive():  # e.g. called in-process by a test session that has pools up
+            _start.stop_forkserver()  # nothing forked is left: no import running after exit
         if log.is_file() and log.stat().st_size:
             print(f"third-party warnings and logs: {log}", file=sys.stderr)
 

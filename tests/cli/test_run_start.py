@@ -82,3 +82,31 @@ def test_run_leaves_no_forkserver_or_rank_behind(tmp_path):
                          timeout=600)
     assert bad.returncode == 2 and "no_such_key" in bad.stderr, bad.stderr[-2000:]
     assert _processes_with(marker) == []
+
+
+def _pid(info):
+    import os
+
+    return os.getpid()
+
+
+@pytest.mark.slow
+def test_an_in_process_run_leaves_the_callers_pools_working(tmp_path, monkeypatch):
+    """`rlaudit run` called in-process (a test session, a notebook) while the caller has warm
+    pools up must not stop the forkserver those ranks came from: through it their exit status
+    travels, so they would read as dead."""
+    import time
+
+    from rlaudit.backends.launch.pool import RankPool
+    from rlaudit.cli.main import main
+
+    monkeypatch.delenv("RLAUDIT_START_METHOD", raising=False)
+    pool = RankPool(2)
+    try:
+        before = pool.run(_pid)
+        assert main(["run", "seed_stored_kl", "--backend", "fsdp", "--no-mlflow",
+                     "--report-dir", str(tmp_path)]) == 0
+        time.sleep(1.5)
+        assert pool.run(_pid) == before  # the same ranks, still serving
+    finally:
+        pool.close()

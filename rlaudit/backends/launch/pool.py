@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -84,6 +85,7 @@ class RankPool:
         self._store = None
         self._ids = itertools.count()
         self._closed = False  # by close(): start() no longer brings it up (run() still does)
+        _POOLS.add(self)
 
     @property
     def alive(self) -> bool:
@@ -321,6 +323,16 @@ class PoolSet:
             self._closed = True
         for p in list(self._pools.values()):
             p.close()
+
+
+#: Every RankPool of this process (weakly): whether any still has ranks up (ranks_alive).
+_POOLS: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
+
+
+def ranks_alive() -> bool:
+    """Whether any warm pool of this process has its ranks up (then the forkserver they were
+    forked from must stay: ``_start.stop_forkserver``)."""
+    return any(p.alive for p in list(_POOLS))
 
 
 _ACTIVE: list[PoolSet] = []
