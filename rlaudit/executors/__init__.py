@@ -50,22 +50,17 @@ def process_threads() -> int:
     return threads
 
 
-def needed_pools(scenarios, backends: list[str] | None, *,
-                 reference_threads: int | None = None) -> list[tuple[str, int, str, int]]:
-    """``(pool name, world size, device, threads per rank)`` of every replay the scenarios will
-    run in a warm pool, in the order of first use: the multi-rank backends (those whose
-    ``rank_pool(layout)`` names a pool; an unavailable backend needs none) and, with
-    ``reference_threads``, the reference backend's one-rank pool."""
+def needed_pools(scenarios, backends: list[str] | None) -> list[tuple[str, int, str, int]]:
+    """``(pool name, world size, device, threads per rank)`` of every multi-rank replay the
+    scenarios will run in a warm pool, in the order of first use: the backends whose
+    ``rank_pool(layout)`` names a pool (an unavailable backend needs none; the reference
+    replays in-process)."""
     from rlaudit.backends.registry import get_backend
     from rlaudit.scenarios.engine import planned_backends
 
     keys: dict[tuple[str, int, str, int], None] = {}
     for scn in scenarios:
         for b in planned_backends(scn, backends)[0]:
-            if b == "reference":
-                if reference_threads is not None:
-                    keys.setdefault(("reference", 1, scn.device, reference_threads))
-                continue
             backend = get_backend(b)
             rank_pool = getattr(backend, "rank_pool", None)
             if rank_pool is None or not backend.available()[0]:
@@ -97,9 +92,9 @@ class LocalExecutor:
     depend on ``jobs`` or on the overlap: every replay is isolated.
 
     Why the reference stays in this process: it can start at once, on the core left idle while
-    the forkserver imports the model stack for the ranks (measured on 2 cores: `kl_k1` alone
-    25 s this way, 35 s with the reference in a one-rank pool of its own, which has to wait for
-    that import and then competes with four ranks)."""
+    the forkserver imports the model stack for the ranks (measured on 2 cores, same machine
+    state: `kl_k1` alone 25 s this way, 35 s with the reference in a one-rank pool of its own,
+    which has to wait for that import and then competes with four ranks)."""
 
     name = "local"
     concurrent_backends = True

@@ -85,13 +85,17 @@ class LogOutcome:
 
 # ---- where to log ------------------------------------------------------------------------------
 
+def is_database_uri(uri: str) -> bool:
+    """True for a SQL tracking store (``sqlite:///...``, ``postgresql+psycopg2://...``)."""
+    return urlparse(uri).scheme.split("+")[0] in DB_SCHEMES
+
+
 def resolve_tracking_uri(tracking_uri: str | None, report_dir: Path) -> tuple[str, str | None]:
     """(tracking URI, artifact location for a new experiment or None to let the server decide)."""
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
         f"sqlite:///{(Path(report_dir) / EMBEDDED_DB).resolve()}"
-    scheme = urlparse(uri).scheme.split("+")[0]
     artifacts = (Path(report_dir) / EMBEDDED_ARTIFACTS).resolve().as_uri() \
-        if scheme in DB_SCHEMES else None
+        if is_database_uri(uri) else None
     return uri, artifacts
 
 

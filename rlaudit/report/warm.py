@@ -39,9 +39,9 @@ def _imports(mlflow_uri: str | None) -> None:
         import mlflow.entities  # noqa: F401
         import mlflow.tracking  # noqa: F401
 
-        from rlaudit.report.mlflow_log import DB_SCHEMES
+        from rlaudit.report.mlflow_log import is_database_uri
 
-        if mlflow_uri.split(":", 1)[0].split("+", 1)[0] in DB_SCHEMES:
+        if is_database_uri(mlflow_uri):
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     except Exception:  # noqa: BLE001 - the report / MLflow logging meets it and says so
         pass

@@ -5,6 +5,8 @@ Both return new tensors (inputs are never reduced in place) and are no-ops (copi
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -41,12 +43,12 @@ def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     ``DTensor.full_tensor()`` is one collective per tensor; a model's parameters are many small
     tensors, and on a CPU box every gloo collective costs about a millisecond of wake-ups. Here
-    the tensors sharded on dim 0 over the same 1-D mesh (FSDP2's layout) travel together: one
-    ``all_gather_into_tensor`` per (mesh, dtype). Each rank's shard is ``torch.chunk(whole,
-    world, dim=0)[rank]`` (empty past the last chunk), so every rank knows every shard's size
-    without asking. Any other placement goes through ``full_tensor()``. A copy either way:
-    the result is bit for bit what ``full_tensor()`` returns. Collective: every rank of the
-    mesh calls it with the same names.
+    the tensors sharded on dim 0 over the same 1-D mesh (FSDP2's layout) travel together, one
+    :func:`all_gather_rows` of their flattened shards per (mesh, dtype); each rank's shard is
+    ``torch.chunk(whole, world, dim=0)[rank]`` (empty past the last chunk), which says how to cut
+    the gathered vectors back into tensors. Any other placement goes through ``full_tensor()``.
+    A copy either way: the result is bit for bit what ``full_tensor()`` returns. Collective:
+    every rank of the mesh calls it with the same names.
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -66,41 +68,21 @@ def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _gather_dim0_shards(dtensors: dict) -> dict[str, torch.Tensor]:
-    first = next(iter(dtensors.values()))
-    mesh = first.device_mesh
-    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    # per rank, per tensor: the shard's shape, as torch.chunk cuts it
-    shapes = {}
+    mesh = next(iter(dtensors.values())).device_mesh
+    world, me = mesh.size(), mesh.get_local_rank()
+    shapes = {}  # per tensor, per rank: the shard's shape, as torch.chunk cuts it
     for name, t in dtensors.items():
         chunks = torch.empty(t.shape, device="meta").chunk(world, dim=0)
         shapes[name] = [tuple(chunks[r].shape) if r < len(chunks) else (0, *t.shape[1:])
                         for r in range(world)]
-        local = t.to_local()
-        if tuple(local.shape) != shapes[name][me]:
-            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} on rank {me} is not "
-                               f"torch.chunk's {shapes[name][me]}")
-    numel = [sum(_numel(shapes[n][r]) for n in dtensors) for r in range(world)]
-    width = max(numel)
-    flat = torch.zeros(width, dtype=first.dtype, device=first.to_local().device)
-    if numel[me]:
-        flat[: numel[me]] = torch.cat([t.to_local().reshape(-1) for t in dtensors.values()])
-    everyone = torch.empty(world * width, dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(everyone, flat, group=group)
-    rows = everyone.view(world, width)
-    offset = [0] * world
-    out = {}
-    for name in dtensors:
-        parts = []
-        for r in range(world):
-            n = _numel(shapes[name][r])
-            parts.append(rows[r, offset[r]: offset[r] + n].view(shapes[name][r]))
-            offset[r] += n
-        out[name] = torch.cat(parts, dim=0)
-    return out
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        if tuple(t.to_local().shape) != shapes[name][me]:
+            raise RuntimeError(f"{name}: local shard {tuple(t.to_local().shape)} on rank {me} is "
+                               f"not torch.chunk's {shapes[name][me]}")
+    local = torch.cat([t.to_local().reshape(-1) for t in dtensors.values()])
+    per_rank = all_gather_rows(local, group=mesh.get_group(), size=world, device=local.device)
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in dtensors}
+    for r, flat in enumerate(per_rank):
+        pieces = flat.split([math.prod(shapes[name][r]) for name in dtensors])
+        for name, piece in zip(dtensors, pieces):
+            parts[name].append(piece.view(shapes[name][r]))
+    return {name: torch.cat(parts[name], dim=0) for name in dtensors}

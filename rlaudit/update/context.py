@@ -209,6 +209,6 @@ class TorchContext:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        # FSDP2 DTensor shards -> whole parameters: one collective for all of them
+        # FSDP2 DTensor shards -> whole parameters, gathered together (not one per parameter)
         whole = collectives.full_tensors({n: p.detach() for n, p in self.model.named_parameters()})
         return {name: t.cpu() for name, t in whole.items()}

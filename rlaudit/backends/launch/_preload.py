@@ -11,8 +11,8 @@ What may happen here, and what may not:
 - imports only: no tensor is computed, no thread pool started, no CUDA touched (a forked child
   cannot use a CUDA context or an OpenMP pool its parent created; CUDA pools are spawned);
 - third-party chatter (megatron's "Transformer Engine and Apex are not installed" warnings)
-  goes to ``$RLAUDIT_PRELOAD_LOG`` (the run's log file), else nowhere: this process's output is
-  never the user's;
+  goes nowhere unless ``$RLAUDIT_PRELOAD_LOG`` names a file (set it to debug the preload): this
+  process's output is never the user's;
 - a module that fails to import is noted in that log and skipped: the rank then imports it
   itself, as a spawned rank would, and reports any error in its own log.
 
@@ -22,7 +22,6 @@ process group, log file, environment; then torch's thread count).
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time

@@ -28,6 +28,7 @@ from rlaudit.errors import InputError
 START_METHODS = ("forkserver", "spawn")
 PRELOAD_MODULE = "rlaudit.backends.launch._preload"
 _ENV = "RLAUDIT_START_METHOD"
+_ACTIVE_ENV = "RLAUDIT_PRELOAD_ACTIVE"  # read by _preload
 _lock = threading.Lock()
 
 
@@ -51,37 +52,29 @@ def context(device: str):
     return mp.get_context(method)
 
 
-def ensure_forkserver(log: str | os.PathLike | None = None) -> None:
-    """Start this process's forkserver with the preload, unless it runs already. Returns at once:
-    the preload's imports run in the forkserver, and the first rank forked from it waits for
-    them. ``log``: where the forkserver's own output goes (``$RLAUDIT_PRELOAD_LOG``; default:
-    nowhere)."""
+def ensure_forkserver() -> None:
+    """Start this process's forkserver with the preload, unless it runs already (a dead one is
+    started again). Returns at once: the preload's imports run in the forkserver, and the first
+    rank forked from it waits for them."""
     from multiprocessing import forkserver
 
     with _lock:
         server = forkserver._forkserver
-        if server._forkserver_pid is not None:
-            pid, _ = os.waitpid(server._forkserver_pid, os.WNOHANG)
-            if not pid:
-                return  # alive (a dead one is restarted by ensure_running below)
         # only the preload: multiprocessing's default also re-imports the parent's __main__ in
         # the forkserver, which would run a user's unguarded script a second time (the
         # launcher hides __main__ from spawned ranks for the same reason: _no_main_reimport)
         server.set_forkserver_preload([PRELOAD_MODULE])
         # the forkserver inherits the environment when it starts: the switch that makes
         # _preload do its work (and only there) is set for that moment only
-        saved = {k: os.environ.get(k) for k in ("RLAUDIT_PRELOAD_ACTIVE", "RLAUDIT_PRELOAD_LOG")}
-        os.environ["RLAUDIT_PRELOAD_ACTIVE"] = "1"
-        if log is not None:
-            os.environ["RLAUDIT_PRELOAD_LOG"] = str(log)
+        saved = os.environ.get(_ACTIVE_ENV)
+        os.environ[_ACTIVE_ENV] = "1"
         try:
-            server.ensure_running()
+            server.ensure_running()  # returns at once if its server is alive
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            if saved is None:
+                os.environ.pop(_ACTIVE_ENV, None)
+            else:
+                os.environ[_ACTIVE_ENV] = saved
 
 
 def forkserver_pid() -> int | None:

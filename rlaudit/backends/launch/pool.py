@@ -1,7 +1,8 @@
 """Warm rank pools: a multi-rank group spawned once and reused for many tasks.
 
-Spawning a group costs seconds (each rank imports torch, transformers, megatron; the group meets
-at the rendezvous) while a scenario's replay on tiny models costs less. Inside
+Starting a group costs seconds (each rank imports torch, transformers, megatron -- on CPU once,
+in the forkserver it is forked from: ``_start`` -- and the group meets at the rendezvous) while a
+scenario's replay on tiny models costs less. Inside
 :func:`warm_pools`, :func:`run_ranks` sends each task to a pool kept per (name, world size,
 device, backend, threads, env) instead of spawning a group for it::
 
