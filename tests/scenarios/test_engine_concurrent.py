@@ -42,7 +42,10 @@ class _Replay:
         if backend.name in self.fail:
             raise self.fail[backend.name]
         with self.lock:
-            return ReferenceBackend().replay(request)
+            runs = ReferenceBackend().replay(request)
+        for run in runs.values():  # the runs are identical: say whose they are
+            run.info["replayed_for"] = backend.name
+        return runs
 
 
 def _untimed(steps):
@@ -57,6 +60,8 @@ def test_concurrent_backends_give_the_sequential_result(tmp_path):
     assert len(replay.threads) == len(BACKENDS)
     alone = run_scenario(scn, replay=lambda b, r: ReferenceBackend().replay(r))
     assert list(together.runs) == list(alone.runs) and set(alone.runs) == set(BACKENDS)
+    for b, runs in together.runs.items():  # each backend got its own replay's runs back
+        assert {r.info["replayed_for"] for r in runs.values()} == {b}
     for b in BACKENDS:
         assert _untimed(together.metrics[b]) == _untimed(alone.metrics[b])
     assert [(c.invariant, c.backend, c.status) for c in together.checks] == \
@@ -72,6 +77,7 @@ def test_a_crashed_backend_is_its_own_error_and_bad_input_waits_for_the_others(t
     assert list(res.errors) == ["fsdp"] and "rank 1 died" in res.errors["fsdp"]
     assert "Traceback" in res.errors["fsdp"]
     assert set(res.runs) == {"reference", "megatron"} and not res.passed
+    assert res.runs["megatron"]["base"].info["replayed_for"] == "megatron"
     replay = _Replay(3, fail={"megatron": InputError("bad layout", key="tp")})
     with pytest.raises(InputError, match="bad layout"):
         run_scenario(scn, replay=replay, concurrent_backends=True)
