@@ -10,9 +10,17 @@ With ``z = logits / temperature`` and ``p = softmax(z)`` over the real vocabular
     logp[i]    = z[i, label_i] - logsumexp(z[i, :])
     entropy[i] = logsumexp(z[i, :]) - sum_v p[i, v] z[i, v]         (= -sum_v p log p)
 
-Communication per call: one all-reduce(MAX) of ``[...]`` and one all-reduce(SUM) of ``[..., 3]``
-(sum of exp, target logit, sum of exp*z). The backward needs no communication: with the reduced
-statistics saved, each rank's gradient for its own columns is local:
+Communication per call: one all-gather of each rank's ``[..., 4]`` statistics of its own shard
+(its max ``m_r``, ``sum exp(z - m_r)``, ``sum exp(z - m_r) (z - m_r)`` and the label's logit if it owns
+it), combined the way an online softmax is: with ``m = max_r m_r`` and ``c_r = exp(m_r - m)``,
+
+    sum_v exp(z_v - m)             = sum_r c_r s_r
+    sum_v exp(z_v - m) (z_v - m)   = sum_r c_r (u_r + s_r (m_r - m))
+
+(a shard with nothing real in it has ``s_r = u_r = 0`` and contributes 0). One collective where a
+max then a sum would be two: on a CPU box every gloo collective costs about a millisecond of
+wake-ups. The backward needs no communication: with the combined statistics saved, each rank's
+gradient for its own columns is local:
 
     d logp / d z_v    = 1[v == label] - p_v
     d entropy / d z_v = -p_v (z_v - sum_u p_u z_u)
@@ -78,29 +86,63 @@ def _global_max(z: torch.Tensor, group) -> torch.Tensor:
     return _all_reduce(m, dist.ReduceOp.MAX, group)
 
 
+def _shard_stats(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``[..., 4]``: this shard's max, sum of exp and sum of exp * (z - max) relative to its max,
+    and ``target`` (the label's logit where this shard owns the label, else 0)."""
+    if z.shape[-1]:
+        m = z.detach().amax(dim=-1)
+        zc = z.detach() - m.unsqueeze(-1)
+        e = zc.exp()
+        return torch.stack([m, e.sum(-1), (e * zc).sum(-1), target], dim=-1)
+    m = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
+    zero = torch.zeros_like(m)
+    return torch.stack([m, zero, zero, target], dim=-1)
+
+
+def _gather(stats: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every TP rank's ``stats``, in rank order (one all-gather)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [stats]
+    parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, stats.contiguous(), group=group)
+    return parts
+
+
+def _combine(parts: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``(m, sum exp(z - m), sum exp(z - m) (z - m), label logit)`` over the whole vocab from
+    every shard's :func:`_shard_stats`, summed in the order given (the same on every rank)."""
+    m = torch.stack([p[..., 0] for p in parts]).amax(dim=0)   # finite: some shard has real columns
+    sum_exp = torch.zeros_like(m)
+    sum_ezc = torch.zeros_like(m)
+    target = torch.zeros_like(m)
+    for p in parts:
+        m_r, s_r, u_r = p[..., 0], p[..., 1], p[..., 2]
+        real = s_r > 0                                          # an all-padding shard adds nothing
+        shift = torch.where(real, m_r - m, torch.zeros_like(m))
+        c_r = torch.where(real, shift.exp(), torch.zeros_like(m))
+        sum_exp = sum_exp + c_r * s_r
+        sum_ezc = sum_ezc + c_r * (u_r + s_r * shift)
+        target = target + p[..., 3]
+    return m, sum_exp, sum_ezc, target
+
+
 class _VocabParallelLogpEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, labels, start, calc_entropy, group):
-        m = _global_max(z, group)
-        zc = z - m.unsqueeze(-1)                                   # <= 0, max 0 somewhere globally
-        e = zc.exp()
         local = labels - start
         owned = (local >= 0) & (local < z.shape[-1])
         if z.shape[-1]:
-            target = zc.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+            picked = z.detach().gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1))
+            target = torch.where(owned, picked.squeeze(-1), torch.zeros_like(picked.squeeze(-1)))
         else:
-            target = torch.zeros_like(m)
-        parts = [e.sum(-1), torch.where(owned, target, torch.zeros_like(target))]
-        if calc_entropy:
-            parts.append((e * zc).sum(-1))
-        stats = _all_reduce(torch.stack(parts, dim=-1), dist.ReduceOp.SUM, group)
-        sum_exp, target_c = stats[..., 0], stats[..., 1]
+            target = torch.zeros(z.shape[:-1], dtype=z.dtype, device=z.device)
+        m, sum_exp, sum_ezc, target = _combine(_gather(_shard_stats(z, target), group))
         log_z = sum_exp.log()                                      # logsumexp(z) - m
-        logp = target_c - log_z
+        logp = (target - m) - log_z
         entropy = None
         mean_zc = torch.zeros_like(log_z)                          # unused without entropy
         if calc_entropy:
-            mean_zc = stats[..., 2] / sum_exp                      # E_p[zc]
+            mean_zc = sum_ezc / sum_exp                            # E_p[z - m]
             entropy = log_z - mean_zc
         ctx.save_for_backward(z, m, log_z, mean_zc, local, owned)  # z: no copy, zc is rebuilt
         return logp, entropy

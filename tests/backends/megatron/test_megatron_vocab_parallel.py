@@ -137,3 +137,39 @@ def test_log_probs_at_rejects_bad_ids():
         vocab_parallel_log_probs_at(torch.zeros(2, 6), torch.zeros(2, dtype=torch.long))
     with pytest.raises(InputError, match="ids"):
         vocab_parallel_log_probs_at(torch.zeros(2, 6), torch.full((2, 1), 6))
+
+
+@pytest.mark.parametrize("cuts", [(7,), (3, 7), (0, 2, 2, 7), (1, 4, 6, 7)])
+@pytest.mark.parametrize("gap", [0.0, 40.0, 800.0])
+def test_shard_statistics_combine_to_the_whole_vocabulary(cuts, gap):
+    """Each TP rank summarises its own columns relative to its own max and the ranks' summaries
+    are combined (one all-gather): any split, including a rank with no column (all padding) and
+    shards whose maxima differ by so much that exp(m_r - m) underflows to 0, gives the whole
+    row's logsumexp, entropy and label logit (the Python loop above is the definition)."""
+    from rlaudit.backends.megatron.vocab_parallel import _combine, _shard_stats
+
+    g = torch.Generator().manual_seed(len(cuts))
+    logits = torch.randn(4, 7, generator=g, dtype=torch.float64) * 3
+    logits[:, 5:] += gap                                   # the last columns dominate
+    labels = torch.tensor([0, 6, 3, 5])
+    parts, start = [], 0
+    for end in cuts:
+        z = logits[:, start:end]
+        local = labels - start
+        owned = (local >= 0) & (local < z.shape[-1])
+        target = (torch.where(owned, z.gather(-1, local.clamp(0, max(z.shape[-1] - 1, 0))
+                                              .unsqueeze(-1)).squeeze(-1), torch.zeros(4,
+                                              dtype=z.dtype)) if z.shape[-1] else
+                  torch.zeros(4, dtype=z.dtype))
+        parts.append(_shard_stats(z, target))
+        start = end
+    m, sum_exp, sum_ezc, target = _combine(parts)
+    # the definition on logits shifted by each row's max (softmax does not see a shift; Python's
+    # exp(800) would overflow)
+    shifted = logits - logits.amax(-1, keepdim=True)
+    ref_lp, ref_ent = naive(shifted.tolist(), labels.tolist(), 1.0)
+    logp = target - m - sum_exp.log()
+    entropy = sum_exp.log() - sum_ezc / sum_exp
+    assert torch.allclose(logp, torch.tensor(ref_lp, dtype=torch.float64), atol=1e-10, rtol=0)
+    assert torch.allclose(entropy, torch.tensor(ref_ent, dtype=torch.float64), atol=1e-10, rtol=0)
+    assert torch.isfinite(sum_exp).all() and torch.isfinite(sum_ezc).all()
