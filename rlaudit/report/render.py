@@ -173,11 +173,15 @@ def pyplot():
 
 
 def fig_png(fig) -> bytes:
-    """Render and close ``fig`` (closing keeps long report runs from accumulating figures)."""
+    """Render and close ``fig`` (closing keeps long report runs from accumulating figures).
+
+    Every figure here is laid out by matplotlib's constrained layout, which keeps titles, labels
+    and an ``outside`` legend inside the canvas; ``bbox_inches="tight"`` would draw and encode
+    the figure a second time to measure it, for no change."""
     plt = pyplot()
     buf = io.BytesIO()
     try:
-        fig.savefig(buf, format="png", dpi=PLOT_DPI, bbox_inches="tight")
+        fig.savefig(buf, format="png", dpi=PLOT_DPI)
     finally:
         plt.close(fig)
     return buf.getvalue()
