@@ -4,11 +4,11 @@
     python benchmarks/collective_count.py kl_k1 --backend megatron
     python benchmarks/collective_count.py kl_k1 --tree ../old-checkout
 
-Runs ``rlaudit run`` (no MLflow, a temporary report directory) with the counter in
-benchmarks/_collectives/ on PYTHONPATH and prints, per rank process (grouped by its rendezvous
-port), the number of ``torch.distributed`` calls and the seconds spent in them by call site. On
-a CPU box every gloo collective costs about a millisecond of wake-ups, so this is where a
-multi-rank replay's overhead shows. Collectives that FSDP2 issues from C++ are not counted.
+Runs ``rlaudit run`` (no MLflow, a temporary report directory) under suite_time's probe
+(benchmarks/_probe/, with ``$RLAUDIT_PROBE_COLLECTIVES=1``) and prints, per rank process (grouped
+by its rendezvous port), the number of ``torch.distributed`` calls and the seconds spent in them,
+by call site. On a CPU box every gloo collective costs about a millisecond of wake-ups, so this
+is where a multi-rank replay's overhead shows. Collectives FSDP2 issues from C++ are not counted.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = Path(__file__).resolve().parent / "_collectives"
+PROBE = Path(__file__).resolve().parent / "_probe"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=6, help="call sites shown per rank")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rlaudit-collectives-") as tmp:
-        out = Path(tmp) / "counts"
-        out.mkdir()
-        env = dict(os.environ, RLAUDIT_COLLECTIVES_DIR=str(out),
+        events = Path(tmp) / "events.jsonl"
+        env = dict(os.environ, RLAUDIT_PROBE_EVENTS=str(events), RLAUDIT_PROBE_COLLECTIVES="1",
                    PYTHONPATH=os.pathsep.join([str(PROBE), str(a.tree.resolve())]))
         cmd = [sys.executable, "-m", "rlaudit.cli.main", "run", a.scenario, "--no-mlflow",
                "--report-dir", str(Path(tmp) / "reports")]
@@ -44,20 +43,23 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--backend", b]
         rc = subprocess.run(cmd, cwd=a.tree, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL).returncode
-        ranks = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
+        lines = events.read_text().splitlines() if events.is_file() else []
+    counts: dict = collections.defaultdict(collections.Counter)
+    seconds: dict = collections.defaultdict(collections.Counter)
+    for line in lines:
+        e = json.loads(line)
+        if e["ev"] == "collective" and e["rank"] is not None:
+            rank = (e["port"], int(e["rank"]), e["pid"])
+            counts[rank][f"{e['op']} @ {e['site']}"] += 1
+            seconds[rank][f"{e['op']} @ {e['site']}"] += e["t1"] - e["t0"]
     print(f"# collectives per rank: rlaudit run {a.scenario} "
           f"{' '.join('--backend ' + b for b in a.backends)} ({a.tree.resolve()}), exit {rc}")
-    groups = collections.defaultdict(list)
-    for r in ranks:
-        if r["rank"] is not None and r["counts"]:
-            groups[r["port"]].append(r)
-    for port, members in sorted(groups.items()):
-        for r in sorted(members, key=lambda r: int(r["rank"])):
-            counts, secs = r["counts"], r["seconds"]
-            print(f"group :{port} rank {r['rank']}: {sum(counts.values())} collectives, "
-                  f"{sum(secs.values()):.2f} s inside")
-            for key, n in sorted(counts.items(), key=lambda kv: -kv[1])[:a.top]:
-                print(f"  {n:6d} {secs[key]:7.2f} s  {key}")
+    for rank in sorted(counts):
+        port, r, _ = rank
+        print(f"group :{port} rank {r}: {sum(counts[rank].values())} collectives, "
+              f"{sum(seconds[rank].values()):.2f} s inside")
+        for key, n in counts[rank].most_common(a.top):
+            print(f"  {n:6d} {seconds[rank][key]:7.2f} s  {key}")
     return rc
 
 

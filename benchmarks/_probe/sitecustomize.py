@@ -16,6 +16,11 @@ rlaudit.backends.launch._worker._init_distributed,
 rlaudit.backends.replay.replay_variant, rlaudit.backends.megatron.compat.init_megatron,
 rlaudit.backends.megatron.convert.load_hf_checkpoint, rlaudit.report.{mlflow_log.log_invocation,
 run_report.write_run_report}. A missing name is skipped (its phase then reads 0).
+
+With ``$RLAUDIT_PROBE_COLLECTIVES=1`` (benchmarks/collective_count.py) it also times every
+``torch.distributed`` collective called through the module's functions, as a ``collective`` event
+with the function (``op``) and the first caller outside torch.distributed (``site``); FSDP2's own
+gathers, issued from C++, are not seen.
 """
 
 from __future__ import annotations
@@ -167,6 +172,38 @@ PATCHES = {
     "rlaudit.report.mlflow_log": lambda m: _wrap_attr(m, "log_invocation", "mlflow"),
     "rlaudit.report.run_report": lambda m: _wrap_attr(m, "write_run_report", "report"),
 }
+
+
+#: torch.distributed functions timed with $RLAUDIT_PROBE_COLLECTIVES=1
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "reduce_scatter", "broadcast", "barrier", "send", "recv", "isend", "irecv",
+               "batch_isend_irecv", "all_to_all_single", "all_gather_object",
+               "broadcast_object_list", "gather", "scatter", "reduce")
+
+
+def _call_site() -> str:
+    """``package/path.py:function`` of the innermost caller outside torch.distributed."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename
+        if name == __file__ or "/torch/distributed/" in name or name.endswith("functools.py"):
+            continue
+        for root in ("megatron/core/", "rlaudit/", "torch/"):
+            if root in name:
+                return f"{root.split('/')[0]}/{name.split(root)[-1]}:{frame.name}"
+        return f"{os.path.basename(name)}:{frame.name}"
+    return "?"
+
+
+def _patch_distributed(m) -> None:
+    if os.environ.get("RLAUDIT_PROBE_COLLECTIVES") == "1":
+        for op in COLLECTIVES:
+            _wrap_attr(m, op, "collective", lambda *a, _op=op, **k: {"op": _op,
+                                                                     "site": _call_site()})
+
+
+PATCHES["torch.distributed"] = _patch_distributed
 
 
 def _timed_make_roles(replay_variant):
