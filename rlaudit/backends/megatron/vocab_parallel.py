@@ -86,17 +86,23 @@ def _global_max(z: torch.Tensor, group) -> torch.Tensor:
     return _all_reduce(m, dist.ReduceOp.MAX, group)
 
 
-def _shard_stats(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``[..., 4]``: this shard's max, sum of exp and sum of exp * (z - max) relative to its max,
-    and ``target`` (the label's logit where this shard owns the label, else 0)."""
-    if z.shape[-1]:
-        m = z.detach().amax(dim=-1)
-        zc = z.detach() - m.unsqueeze(-1)
-        e = zc.exp()
-        return torch.stack([m, e.sum(-1), (e * zc).sum(-1), target], dim=-1)
-    m = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
-    zero = torch.zeros_like(m)
-    return torch.stack([m, zero, zero, target], dim=-1)
+def _shard_stats(z: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, *,
+                 calc_entropy: bool) -> torch.Tensor:
+    """``[..., 4]``, this shard's: max ``m_r``, ``sum exp(z - m_r)``, ``sum exp(z - m_r) (z - m_r)``
+    (0 without ``calc_entropy``: not computed) and the logit of the label at column ``local``
+    where this shard ``owned`` it (else 0). A shard with no column has ``m_r = -inf`` and 0s."""
+    if not z.shape[-1]:
+        m = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
+        zero = torch.zeros_like(m)
+        return torch.stack([m, zero, zero, zero], dim=-1)
+    z = z.detach()
+    m = z.amax(dim=-1)
+    zc = z - m.unsqueeze(-1)
+    e = zc.exp()
+    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    target = torch.where(owned, picked, torch.zeros_like(picked))
+    u = (e * zc).sum(-1) if calc_entropy else torch.zeros_like(m)
+    return torch.stack([m, e.sum(-1), u, target], dim=-1)
 
 
 def _gather(stats: torch.Tensor, group) -> list[torch.Tensor]:
@@ -131,12 +137,8 @@ class _VocabParallelLogpEntropy(torch.autograd.Function):
     def forward(ctx, z, labels, start, calc_entropy, group):
         local = labels - start
         owned = (local >= 0) & (local < z.shape[-1])
-        if z.shape[-1]:
-            picked = z.detach().gather(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1))
-            target = torch.where(owned, picked.squeeze(-1), torch.zeros_like(picked.squeeze(-1)))
-        else:
-            target = torch.zeros(z.shape[:-1], dtype=z.dtype, device=z.device)
-        m, sum_exp, sum_ezc, target = _combine(_gather(_shard_stats(z, target), group))
+        stats = _shard_stats(z, local, owned, calc_entropy=calc_entropy)
+        m, sum_exp, sum_ezc, target = _combine(_gather(stats, group))
         log_z = sum_exp.log()                                      # logsumexp(z) - m
         logp = (target - m) - log_z
         entropy = None

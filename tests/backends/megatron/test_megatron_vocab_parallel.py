@@ -39,6 +39,8 @@ def test_matches_a_python_loop():
     ref_lp, ref_ent = naive(logits.tolist(), labels.tolist(), 0.7)
     assert torch.allclose(logp, torch.tensor(ref_lp, dtype=torch.float64), atol=1e-12, rtol=0)
     assert torch.allclose(ent, torch.tensor(ref_ent, dtype=torch.float64), atol=1e-12, rtol=0)
+    lp_only, none = vocab_parallel_logprobs_entropy(logits, labels, temperature=0.7)
+    assert none is None and torch.equal(lp_only, logp)  # the entropy terms never enter logp
 
 
 def test_hand_worked_uniform_logits():
@@ -154,14 +156,9 @@ def test_shard_statistics_combine_to_the_whole_vocabulary(cuts, gap):
     labels = torch.tensor([0, 6, 3, 5])
     parts, start = [], 0
     for end in cuts:
-        z = logits[:, start:end]
         local = labels - start
-        owned = (local >= 0) & (local < z.shape[-1])
-        target = (torch.where(owned, z.gather(-1, local.clamp(0, max(z.shape[-1] - 1, 0))
-                                              .unsqueeze(-1)).squeeze(-1), torch.zeros(4,
-                                              dtype=z.dtype)) if z.shape[-1] else
-                  torch.zeros(4, dtype=z.dtype))
-        parts.append(_shard_stats(z, target))
+        owned = (local >= 0) & (local < end - start)
+        parts.append(_shard_stats(logits[:, start:end], local, owned, calc_entropy=True))
         start = end
     m, sum_exp, sum_ezc, target = _combine(parts)
     # the definition on logits shifted by each row's max (softmax does not see a shift; Python's
