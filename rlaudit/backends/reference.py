@@ -85,9 +85,9 @@ class ReferenceBackend:
 
 
 def replay_in_rank(info, request: ReplayRequest, threads: int) -> dict[str, VariantRun]:
-    """The reference backend's replay inside a one-rank group (a warm pool, or a Ray rank):
-    what the executors run, so that the reference replays beside the other backends' ranks in a
-    process of its own, with ``threads`` intra-op threads as it would have in-process."""
+    """The reference backend's replay inside a one-rank group: what the Ray executor runs (the
+    local one replays the reference in-process), with ``threads`` intra-op threads as it would
+    have in-process."""
     torch.set_num_threads(threads)
     return ReferenceBackend().replay(request)
 
