@@ -1,5 +1,6 @@
-"""collectives.full_tensors: every FSDP2-sharded parameter made whole with one collective, bit for
-bit what DTensor.full_tensor() gives (the parity checks compare parameters gathered this way).
+"""collectives.full_tensors: every FSDP2-sharded parameter made whole in one all_gather_rows (two
+collectives: the shard sizes, then every shard at once), bit for bit what DTensor.full_tensor()
+gives (the parity checks compare parameters gathered this way).
 
 Shapes chosen so that torch.chunk cuts unevenly: 5 rows over 2 ranks (3 + 2), 1 row (rank 1
 empty), a 1-D bias, and a replicated DTensor (not Shard(0): falls back to full_tensor).
