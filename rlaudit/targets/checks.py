@@ -50,7 +50,16 @@ class StageCheck:
     doc: str
 
 
+#: filled as the check modules are imported: read it through :func:`stage_checks`, which imports
+#: them all (a caller that read this dict directly saw whichever modules happened to be loaded)
 STAGE_CHECKS: dict[str, StageCheck] = {}
+
+
+def stage_checks() -> dict[str, StageCheck]:
+    """Every registered stage check, by name: the modules that register them are imported first."""
+    from rlaudit.targets import (batch_checks, filter_checks,  # noqa: F401  (register
+                                 identity_checks, loss_checks)  # their checks)
+    return STAGE_CHECKS
 
 
 def stage_check(stage: str, prop: str, family: str):
@@ -535,14 +544,12 @@ def run_stage_checks(adapter: object, *, stages: list[str] | None = None,
                      model_path: str | None = None) -> ScenarioResult:
     """Every registered check, on the stages the adapter provides (``stages`` restricts them),
     as the pseudo-scenario ``"stages"`` with the adapter as its only backend."""
-    from rlaudit.targets import (batch_checks, filter_checks,  # noqa: F401  (register
-                                 identity_checks, loss_checks)  # their checks)
     t0 = time.perf_counter()
     env = StageEnv(adapter, model_path=model_path)
     name = env.name
     res = ScenarioResult(scenario="stages", path="<stage checks>", backends=[name],
                          tags=["stages"])
-    ordered = sorted(STAGE_CHECKS.values(),
+    ordered = sorted(stage_checks().values(),
                      key=lambda c: (list(STAGES).index(c.stage), c.name.endswith("no-mutation")))
     for check in ordered:
         if stages is not None and check.stage not in stages:

@@ -33,7 +33,7 @@ from rlaudit.scenarios.result import CheckResult, ScenarioResult
 from rlaudit.targets import batch_checks, loss_checks  # noqa: F401  (register their checks)
 from rlaudit.targets.adapter import adapter_name
 from rlaudit.targets.cases import FLOAT_FIELDS, Case
-from rlaudit.targets.checks import STAGE_CHECKS, StageEnv
+from rlaudit.targets.checks import StageEnv, stage_checks
 from rlaudit.targets.filter_checks import FilterInput
 from rlaudit.targets.fuzz_inputs import Draw
 
@@ -47,7 +47,7 @@ _TUPLES = ("clip_settings", "layouts", "loss_modes", "loss_agg_modes", "advantag
 
 def stage_results(env: StageEnv, stage: str) -> list[CheckResult]:
     """Every check of ``stage`` on ``env`` (no-mutation last: it reads what the others called)."""
-    checks = sorted((c for c in STAGE_CHECKS.values() if c.stage == stage),
+    checks = sorted((c for c in stage_checks().values() if c.stage == stage),
                     key=lambda c: c.name.endswith("no-mutation"))
     return [c.fn(env) for c in checks]
 
@@ -150,7 +150,7 @@ def load_stage_case(path: str | os.PathLike) -> tuple[str, Draw, dict]:
         raise InputError(f"unknown key; valid keys: {', '.join(sorted(KEYS))}", source=src,
                          key=unknown[0])
     check = doc.get("check")
-    if check not in STAGE_CHECKS:
+    if check not in stage_checks():
         raise InputError(f"unknown stage check {check!r}", source=src, key="check")
     if not isinstance(doc.get("inputs"), str):
         raise InputError("expected the input file's name", source=src, key="inputs")
@@ -200,7 +200,7 @@ def replay(adapter: object, path: str | os.PathLike) -> ScenarioResult:
     ``found:<name>``."""
     t0 = time.perf_counter()
     check, draw, doc = load_stage_case(path)
-    stage = STAGE_CHECKS[check].stage
+    stage = stage_checks()[check].stage
     name = adapter_name(adapter)
     res = ScenarioResult(scenario=f"found:{Path(path).stem}", path=str(path), backends=[name],
                          tags=["stages", "found"])

@@ -31,7 +31,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from rlaudit.errors import InputError
 from rlaudit.scenarios.result import ERROR, FAIL, CheckResult
 from rlaudit.targets.adapter import STAGES, adapter_name, has_stage, load_adapter
-from rlaudit.targets.checks import STAGE_CHECKS, StageCheck
+from rlaudit.targets.checks import StageCheck, stage_checks
 from rlaudit.targets.declare import Declarations, validate
 from rlaudit.targets.found import probe_env, save_stage_case, stage_results
 from rlaudit.targets.fuzz_inputs import Draw, stage_draws
@@ -166,11 +166,10 @@ def fuzz_target(target: str | object, *, stages: list[str] | None = None,
     if unknown:
         raise InputError(f"unknown stage(s) {unknown}; valid: {', '.join(STAGES)}",
                          key="--stage")
-    from rlaudit.targets import batch_checks, filter_checks, loss_checks  # noqa: F401
     db = DirectoryBasedExampleDatabase(str(Path(report_dir) / "fuzz" / "hypothesis"))
     report = FuzzReport(name, budget)
     t0 = time.perf_counter()
-    ordered = sorted(STAGE_CHECKS.values(), key=lambda c: list(STAGES).index(c.stage))
+    ordered = sorted(stage_checks().values(), key=lambda c: list(STAGES).index(c.stage))
     for check in ordered:
         if stages is not None and check.stage not in stages:
             continue

@@ -87,8 +87,8 @@ def test_fuzz_finds_nothing_on_correct_adapters(adapter, tmp_path):
     fuzzed = [o for o in report.outcomes if o.status == "clean"]
     assert all(o.examples == DEFAULT_BUDGET for o in fuzzed)
     from rlaudit.targets.adapter import has_stage
-    from rlaudit.targets.checks import STAGE_CHECKS
-    want = {c.name for c in STAGE_CHECKS.values()
+    from rlaudit.targets.checks import stage_checks
+    want = {c.name for c in stage_checks().values()
             if c.stage != "train_step" and has_stage(adapter, c.stage)}     # toy: no distill
     assert {o.check for o in fuzzed} == want and len(want) >= 25
     assert not list(tmp_path.glob("*.yaml"))
@@ -364,3 +364,27 @@ def test_a_found_case_replays_in_a_fresh_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "fail", out.stderr[-2000:]
+
+
+def test_fuzzing_in_a_fresh_process_covers_every_check_module():
+    """``rlaudit fuzz`` alone imports nothing else first: the identity checks (registered by a
+    module only the stage-check runner imported) were left out of a fuzz run in a fresh process,
+    and a found case of one of them was an unknown check there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    code = ("import sys, tempfile; sys.path[:0] = [%r]\n"
+            "from rlaudit.targets.fuzz import fuzz_target\n"
+            "from rlaudit.targets.reference import ReferenceAdapter\n"
+            "d = tempfile.mkdtemp()\n"
+            "r = fuzz_target(ReferenceAdapter(), stages=['compute_advantages', 'policy_loss'],\n"
+            "                budget=1, run_budget=0, found_dir=d, report_dir=d, write=False)\n"
+            "print(sorted(o.check for o in r.outcomes))" % str(repo))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fuzzed = out.stdout.strip().splitlines()[-1]
+    for check in ("compute_advantages:identities", "policy_loss:clip-effect",
+                  "compute_advantages:parity", "policy_loss:parity"):
+        assert repr(check) in fuzzed, fuzzed
