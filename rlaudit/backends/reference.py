@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from rlaudit.backends import memo
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.replay import replay_variant
 from rlaudit.model.critic import ValueModel
@@ -76,11 +77,18 @@ class ReferenceBackend:
         wrap = (functools.partial(perturb_weights, rel=request.weight_noise)
                 if request.weight_noise else (lambda module: module))
         for variant in request.variants:
-            torch.manual_seed(variant.config.trainer.seed)
-            out[variant.name] = replay_variant(
-                lambda v: torch_roles(request.model, v, dtype=request.dtype, device=request.device,
-                                      ref_model_path=request.ref_model, wrap=wrap),
-                variant)
+            k = memo.key(request, variant)
+            run = memo.lookup(k)
+            if run is None:
+                torch.manual_seed(variant.config.trainer.seed)
+                run = replay_variant(
+                    lambda v: torch_roles(request.model, v, dtype=request.dtype,
+                                          device=request.device, ref_model_path=request.ref_model,
+                                          wrap=wrap),
+                    variant)
+                memo.store(k, run)
+            run.name = variant.name
+            out[variant.name] = run
         return out
 
 

@@ -101,8 +101,10 @@ def calibrate_scenario(scenario, *, runs: int, backends: list[str] | None = None
     scn = scenario if isinstance(scenario, Scenario) else load_scenario(Path(scenario))
     base_only = dataclasses.replace(scn, invariants=[])
     repeats: dict[str, list[list[dict[str, float]]]] = {}
+    from rlaudit.backends import memo
     for k in range(runs):
-        res = run_scenario(base_only, backends=backends, golden_dir=None)
+        with memo.disabled():   # a repeat is a measurement: never the first run's memoised copy
+            res = run_scenario(base_only, backends=backends, golden_dir=None)
         if res.errors:
             b, err = next(iter(res.errors.items()))
             raise CheckFailed(f"{scn.name}: backend {b} failed in repeat {k + 1}/{runs}: "
