@@ -242,7 +242,7 @@ def install(peer: Peer, *, quiet: bool = True) -> str:
     tmp = root / f".tmp-{peer.key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
-           "--no-input", *pip_options(peer.requirements), "--target", str(tmp),
+           "--no-input", "--no-compile", *pip_options(peer.requirements), "--target", str(tmp),
            "-r", str(peer.requirements)]
     if quiet:
         cmd.insert(4, "-q")
@@ -438,12 +438,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{snap.key}: {'found in ' + str(where) if where else 'not fetched'}")
         return 0
     with _locked(peers_dir()):
-        for peer in peers:
-            try:
-                print(install(peer, quiet=not args.verbose), flush=True)
-            except RuntimeError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
+        # each peer is its own pip process into its own directory: they run side by side
+        # (pip is mostly CPU: one per core), reported in the files' order
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max(1, min(len(peers), os.cpu_count() or 1))) as pool:
+            jobs = [pool.submit(install, peer, quiet=not args.verbose) for peer in peers]
+            failed = False
+            for job in jobs:
+                try:
+                    print(job.result(), flush=True)
+                except RuntimeError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    failed = True
+        if failed:
+            return 1
         unreachable: dict[str, str] = {}
         for snap in snapshots:
             try:
