@@ -331,3 +331,23 @@ def test_an_unguarded_main_script_is_not_run_again_by_the_forkserver(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "2.0"
     assert len(marker.read_text().splitlines()) == 1  # the script ran once
+
+
+def _heap_state(info):
+    import gc
+    import sys
+    return {"frozen": gc.get_freeze_count(), "megatron": "megatron.core" in sys.modules}
+
+
+def test_forked_ranks_start_with_the_preloaded_heap_frozen(monkeypatch):
+    """The forkserver freezes what its imports built: a forked rank's full collections skip it
+    (and leave its copy-on-write pages alone). Python's permanent generation starts empty, so
+    anything in it came from that freeze."""
+    pytest.importorskip("megatron.core")
+    monkeypatch.setenv("RLAUDIT_START_METHOD", "forkserver")
+    pool = RankPool(1)
+    try:
+        (seen,) = pool.run(_heap_state)
+    finally:
+        pool.close()
+    assert seen["megatron"] and seen["frozen"] > 100_000
