@@ -28,11 +28,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Everything imported and built by collection (torch, transformers, megatron, peers, test
-    modules: a heap of millions of objects) lives as long as the session: move it out of the
-    collector's sight once. Without this every full collection walks it (0.45 s each here), and
-    the real trainers call gc.collect() themselves: accelerate's free_memory() at the start of
-    each Trainer.train() cost TRL's end-to-end tests 9 of their 12 s of training."""
-    import gc
-    gc.collect()
-    gc.freeze()
+    """What collection imported (torch, transformers, megatron, the peers, the test modules)
+    lives as long as the session: keep full collections off it (rlaudit/heap.py). accelerate's
+    gc.collect() at each Trainer.train() cost TRL's end-to-end tests 9 of their 12 s of
+    training without this."""
+    from rlaudit.heap import freeze_long_lived
+    freeze_long_lived()

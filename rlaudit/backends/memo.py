@@ -1,13 +1,14 @@
 """An in-process memo of the reference backend's CPU replays.
 
-A reference replay on the CPU is a pure function of what goes in: the model snapshots' files, the
-variant (config, batch, steps), dtype, weight noise, fault injectors and the intra-op thread count
-(which can move float64 sums in their last bits). The same variant is replayed many times within
-one process: Hypothesis re-runs examples while it shrinks (``rlaudit fuzz`` at run level), a found
-case is replayed after fuzzing, and every run-level audit of a target replays the reference for
-the same scenarios. The memo keys a replay by a digest of all of that and hands back a deep copy
-of the first result (a caller may attach to or change what it gets), least recently used first
-out past ``RLAUDIT_REFERENCE_MEMO_MB`` (default 256; 0 turns the memo off).
+A reference replay on the CPU is a pure function of what goes in: the model snapshots' contents
+(``snapshot_id``), the variant (config, batch tensors by ``rollout_sha256``, steps), dtype, weight
+noise, fault injectors and the intra-op thread count (which can move float64 sums in their last
+bits). The same variant is replayed many times within one process: Hypothesis re-runs examples
+while it shrinks (``rlaudit fuzz`` at run level), a found case is replayed after fuzzing, and
+every run-level audit of a target replays the reference for the same scenarios. The memo keys a
+replay by a digest of all of that and hands back a deep copy of the first result (a caller may
+attach to or change what it gets), least recently used first out past
+``RLAUDIT_REFERENCE_MEMO_MB`` (default 256; 0 turns the memo off).
 
 Never memoised: CUDA replays (not bitwise reproducible: the point of ``golden calibrate``), the
 drift localisation's probe re-runs, and anything under :func:`disabled` (repeat measurements).
@@ -22,11 +23,13 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
+from rlaudit.config import to_dict
+from rlaudit.data.io import rollout_sha256
+from rlaudit.model.load import snapshot_id
 
 DEFAULT_MB = 256
 
@@ -64,45 +67,25 @@ def clear() -> None:
         _bytes = 0
 
 
-def _files_state(path: str | None) -> list:
-    """Name, size and mtime of every file of a snapshot folder (a rewritten file is a new key)."""
-    if path is None:
-        return []
-    folder = Path(path)
-    if not folder.is_dir():
-        return [str(folder)]
-    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
-            for f in sorted(folder.iterdir()) if f.is_file()]
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
 def key(request: ReplayRequest, variant: Variant) -> str | None:
     """The digest a replay of ``variant`` under ``request`` is memoised by, or None when it must
     run (CUDA, a probe re-run, the memo disabled, a batch that cannot be digested)."""
     if (_off[0] or variant.probe is not None or request.device != "cpu"
             or limit_bytes() <= 0):
         return None
-    from rlaudit.config import to_dict
-    h = hashlib.sha256()
-    head = {"model": _files_state(request.model), "ref_model": _files_state(request.ref_model),
+    head = {"model": snapshot_id(request.model),
+            "ref_model": snapshot_id(request.ref_model) if request.ref_model else None,
             "dtype": request.dtype, "noise": request.weight_noise, "faults": request.faults,
             "threads": torch.get_num_threads(), "steps": variant.steps,
-            "config": to_dict(variant.config), "kinds": {k: str(v) for k, v in
-                                                         variant.batch.kinds.items()},
+            "config": to_dict(variant.config),
+            "kinds": {k: str(v) for k, v in variant.batch.kinds.items()},
             "meta": variant.batch.meta}
     try:
-        h.update(json.dumps(head, sort_keys=True, default=repr).encode())
-        for name in sorted(variant.batch.tensors):
-            t = variant.batch.tensors[name]
-            h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-            h.update(_tensor_bytes(t))
+        head["batch"] = rollout_sha256(variant.batch)
+        text = json.dumps(head, sort_keys=True, default=repr)
     except (RuntimeError, TypeError, ValueError):   # e.g. a nested tensor: just run it
         return None
-    return h.hexdigest()
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _size(run: VariantRun) -> int:

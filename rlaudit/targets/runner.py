@@ -20,7 +20,6 @@ in another fails, one it never logs is listed as not compared.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 import traceback
 from pathlib import Path
@@ -29,6 +28,7 @@ from rlaudit.backends.base import ReplayRequest
 from rlaudit.backends.registry import get_backend
 from rlaudit.config import flatten, to_dict
 from rlaudit.errors import InputError
+from rlaudit.heap import freeze_long_lived
 from rlaudit.metrics import golden_names
 from rlaudit.scenarios.engine import build_variants, check_sampling_matches
 from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
@@ -136,7 +136,7 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
         res.seconds = time.perf_counter() - t0
         return res
     runs = {}
-    freeze_long_lived()
+    freeze_long_lived()   # trainers collect garbage themselves: keep it off the imports
     for b, backend in ((name, target), (ORACLE, get_backend(ORACLE))):
         request = ReplayRequest(model=str(scn.model), variants=variants,
                                 ref_model=str(scn.ref_model) if scn.ref_model else None,
@@ -164,23 +164,6 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
         res.localisation = localise_target(adapter, name, scn, ctx, res)
     res.seconds = time.perf_counter() - t0
     return res
-
-
-_frozen = False
-
-
-def freeze_long_lived() -> None:
-    """Once per process, before the first run-level replay: collect, then move everything alive
-    (torch, transformers, the target's framework: imported for good) out of the garbage
-    collector's sight. Real trainers call ``gc.collect()`` themselves -- accelerate's
-    ``free_memory()`` at the start of every ``Trainer.train()``, i.e. every TRL train_step --
-    and each full collection otherwise walks that whole heap (0.2-0.45 s here, several per
-    scenario). Objects created later are collected as usual; no result depends on it."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
-        gc.collect()
-        gc.freeze()
 
 
 def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:

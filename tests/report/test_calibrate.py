@@ -153,15 +153,18 @@ def test_apply_tolerances_takes_calibrate_scenarios_output_per_backend():
     assert "megatron@cuda" not in doc["backends"]
 
 
-def test_calibrate_repeats_are_replayed_never_answered_from_the_reference_memo(tmp_path):
+def test_calibrate_repeats_are_replayed_never_answered_from_the_reference_memo(tmp_path,
+                                                                              monkeypatch):
     """Each repeat is a measurement of run-to-run spread: the reference memo must not answer a
     repeat with the first run's copy (on a GPU that would read as zero spread)."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scenarios"))
-    from test_engine_golden import write_scenario
+    import dataclasses
+
     from rlaudit.backends import memo
     from rlaudit.backends.reference import ReferenceBackend
+    from rlaudit.scenarios.engine import run_scenario
     from rlaudit.scenarios.spec import load_scenario
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scenarios"))
+    from test_engine_golden import write_scenario
     scn = load_scenario(write_scenario(tmp_path / "calib.yaml", backends={"reference": {}}))
     replays = []
     real = ReferenceBackend.replay
@@ -169,17 +172,13 @@ def test_calibrate_repeats_are_replayed_never_answered_from_the_reference_memo(t
     def counted(self, request):
         replays.append(len(request.variants))
         return real(self, request)
+    monkeypatch.setattr(ReferenceBackend, "replay", counted)
     memo.clear()
     hits = memo.stats["hits"]
-    try:
-        ReferenceBackend.replay = counted
-        calibrate_scenario(scn, runs=3)
-    finally:
-        ReferenceBackend.replay = real
+    calibrate_scenario(scn, runs=3)
     assert replays == [1, 1, 1] and memo.stats["hits"] == hits
     # outside calibrate, the same baseline replay is a memo hit (the test can see one)
-    from rlaudit.scenarios.engine import run_scenario
-    import dataclasses
-    run_scenario(dataclasses.replace(scn, invariants=[]), backends=["reference"])
-    run_scenario(dataclasses.replace(scn, invariants=[]), backends=["reference"])
+    base_only = dataclasses.replace(scn, invariants=[])
+    run_scenario(base_only, backends=["reference"])
+    run_scenario(base_only, backends=["reference"])
     assert memo.stats["hits"] > hits

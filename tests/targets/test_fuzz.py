@@ -345,11 +345,17 @@ def test_a_near_constant_whitened_batch_is_not_well_conditioned():
     assert well_conditioned("grpo", {}, case)
 
 
+def _in_fresh_process(code: str):
+    """``python -c code``: nothing this test process has imported or registered is there."""
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+
+
 @pytest.mark.slow
 def test_a_found_case_replays_in_a_fresh_process(tmp_path):
     """Replay needs nothing the fuzzing process had loaded (every check module registered)."""
-    import subprocess
-    import sys
     from pathlib import Path
     report = fuzz_target(broken.IgnoresClipHigh(), stages=["policy_loss"],
                          checks=["policy_loss:parity"], found_dir=tmp_path, report_dir=tmp_path)
@@ -361,8 +367,7 @@ def test_a_found_case_replays_in_a_fresh_process(tmp_path):
             "r = replay(b.IgnoresClipHigh(), %r)\n"
             "print({c.invariant: c.status for c in r.checks}['policy_loss:parity'])"
             % (str(repo), str(repo / "tests" / "targets"), str(finding.path)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = _in_fresh_process(code)
     assert out.stdout.strip().splitlines()[-1] == "fail", out.stderr[-2000:]
 
 
@@ -370,8 +375,6 @@ def test_fuzzing_in_a_fresh_process_covers_every_check_module():
     """``rlaudit fuzz`` alone imports nothing else first: the identity checks (registered by a
     module only the stage-check runner imported) were left out of a fuzz run in a fresh process,
     and a found case of one of them was an unknown check there."""
-    import subprocess
-    import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parents[2]
     code = ("import sys, tempfile; sys.path[:0] = [%r]\n"
@@ -381,8 +384,7 @@ def test_fuzzing_in_a_fresh_process_covers_every_check_module():
             "r = fuzz_target(ReferenceAdapter(), stages=['compute_advantages', 'policy_loss'],\n"
             "                budget=1, run_budget=0, found_dir=d, report_dir=d, write=False)\n"
             "print(sorted(o.check for o in r.outcomes))" % str(repo))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = _in_fresh_process(code)
     assert out.returncode == 0, out.stderr[-2000:]
     fuzzed = out.stdout.strip().splitlines()[-1]
     for check in ("compute_advantages:identities", "policy_loss:clip-effect",

@@ -142,24 +142,3 @@ def test_to_variant_run_validates_what_train_step_returns():
         with pytest.raises(InputError, match=key):
             to_variant_run(v, out, source="x.train_step")
 
-
-def test_the_long_lived_heap_is_frozen_once_and_later_garbage_is_still_collected():
-    """freeze_long_lived(): one collection and gc.freeze() per process, before the first
-    run-level replay; a reference cycle made afterwards is still freed by a collection."""
-    import subprocess
-    code = ("import gc, sys, weakref\n"
-            "sys.path[:0] = [%r]\n"
-            "from rlaudit.targets import runner\n"
-            "calls = []\n"
-            "real = gc.collect\n"
-            "gc.collect = lambda *a: calls.append(1) or real(*a)\n"
-            "runner.freeze_long_lived(); runner.freeze_long_lived()\n"
-            "frozen = gc.get_freeze_count()\n"
-            "class Node: pass\n"
-            "a, b = Node(), Node(); a.b, b.a = b, a\n"
-            "alive = weakref.ref(a); del a, b\n"
-            "real()\n"
-            "print(len(calls), frozen > 1000, alive() is None)" % str(REPO))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert out.stdout.split() == ["1", "True", "True"], out.stderr[-2000:]

@@ -8,8 +8,9 @@ is specific to its task.
 
 What may happen here, and what may not:
 
-- imports only (then ``gc.freeze()`` of what they built): no tensor is computed, no thread pool started, no CUDA touched (a forked child
-  cannot use a CUDA context or an OpenMP pool its parent created; CUDA pools are spawned);
+- imports only (then ``rlaudit.heap.freeze_long_lived()`` of what they built): no tensor is
+  computed, no thread pool started, no CUDA touched (a forked child cannot use a CUDA context or
+  an OpenMP pool its parent created; CUDA pools are spawned);
 - third-party chatter (megatron's "Transformer Engine and Apex are not installed" warnings)
   goes nowhere unless ``$RLAUDIT_PRELOAD_LOG`` names a file (set it to debug the preload): this
   process's output is never the user's;
@@ -98,14 +99,10 @@ if os.environ.get("RLAUDIT_PRELOAD_ACTIVE") == "1":  # only inside the forkserve
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         FAILED = preload()
-    # Everything imported here lives as long as every rank forked from this process: collect
-    # once and freeze it. A forked rank then neither walks that heap in each full collection
-    # (0.26 s here; a pool rank collects after every task) nor touches its pages while doing so
-    # (which copied them on write, rank by rank). Later objects are collected as usual.
-    import gc
+    # what was imported here lives as long as every rank forked from this process
+    from rlaudit.heap import freeze_long_lived
 
-    gc.collect()
-    gc.freeze()
+    freeze_long_lived()
     sys.stderr.write(f"[rlaudit preload] {len(MODULES) - len(FAILED)} modules in "
                      f"{time.perf_counter() - t0:.1f} s\n")
     sys.stderr.flush()

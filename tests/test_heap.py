@@ -1,0 +1,34 @@
+"""rlaudit.heap.freeze_long_lived: one collection and gc.freeze() per process; a reference
+cycle made afterwards is still freed by a collection. In a fresh process: the test session's
+own heap is already frozen (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CODE = """
+import gc, sys, weakref
+sys.path[:0] = [%r]
+from rlaudit import heap
+calls = []
+real = gc.collect
+gc.collect = lambda *a: calls.append(1) or real(*a)
+import torch  # something long-lived to freeze
+heap.freeze_long_lived(); heap.freeze_long_lived()
+frozen = gc.get_freeze_count()
+class Node: pass
+a, b = Node(), Node(); a.b, b.a = b, a
+alive = weakref.ref(a); del a, b
+real()
+print(len(calls), frozen > 10000, alive() is None)
+"""
+
+
+def test_the_long_lived_heap_is_frozen_once_and_later_garbage_is_still_collected():
+    out = subprocess.run([sys.executable, "-c", CODE % str(REPO)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.stdout.split() == ["1", "True", "True"], out.stderr[-2000:]
