@@ -29,6 +29,7 @@ import torch
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.config import to_dict
 from rlaudit.data.io import rollout_sha256
+from rlaudit.errors import InputError
 from rlaudit.model.load import snapshot_id
 
 DEFAULT_MB = 256
@@ -41,10 +42,15 @@ stats = {"hits": 0, "misses": 0}
 
 
 def limit_bytes() -> int:
+    raw = os.environ.get("RLAUDIT_REFERENCE_MEMO_MB", str(DEFAULT_MB))
     try:
-        return int(float(os.environ.get("RLAUDIT_REFERENCE_MEMO_MB", DEFAULT_MB)) * (1 << 20))
+        mb = float(raw)
     except ValueError:
-        return DEFAULT_MB << 20
+        mb = -1.0
+    if not mb >= 0:   # also NaN
+        raise InputError(f"expected a number of MiB >= 0 (0 turns the memo off), got {raw!r}",
+                         source="environment", key="RLAUDIT_REFERENCE_MEMO_MB")
+    return int(mb * (1 << 20))
 
 
 @contextlib.contextmanager

@@ -140,6 +140,15 @@ def test_what_is_never_memoised(monkeypatch):
     assert memo.key(req, v) is None
 
 
+@pytest.mark.parametrize("value", ["lots", "-1", "nan"])
+def test_a_bad_memo_size_is_an_input_error_naming_the_variable(monkeypatch, value):
+    from rlaudit.errors import InputError
+    monkeypatch.setenv("RLAUDIT_REFERENCE_MEMO_MB", value)
+    req = _request()
+    with pytest.raises(InputError, match="RLAUDIT_REFERENCE_MEMO_MB.*got"):
+        ReferenceBackend().replay(req)
+
+
 def test_least_recently_used_goes_first(monkeypatch):
     a, b, c = _request(lr=0.01), _request(lr=0.02), _request(lr=0.03)
     run = _replay(a)
