@@ -27,8 +27,7 @@ from collections import OrderedDict
 import torch
 
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
-from rlaudit.config import to_dict
-from rlaudit.data.io import rollout_sha256
+from rlaudit.backends.dedupe import variant_digest
 from rlaudit.errors import InputError
 from rlaudit.model.load import snapshot_id
 
@@ -79,18 +78,14 @@ def key(request: ReplayRequest, variant: Variant) -> str | None:
     if (_off[0] or variant.probe is not None or request.device != "cpu"
             or limit_bytes() <= 0):
         return None
+    variant_key = variant_digest(variant)   # config, steps, batch tensors, kinds, meta
+    if variant_key is None:   # e.g. a nested tensor: just run it
+        return None
     head = {"model": snapshot_id(request.model),
             "ref_model": snapshot_id(request.ref_model) if request.ref_model else None,
             "dtype": request.dtype, "noise": request.weight_noise, "faults": request.faults,
-            "threads": torch.get_num_threads(), "steps": variant.steps,
-            "config": to_dict(variant.config),
-            "kinds": {k: str(v) for k, v in variant.batch.kinds.items()},
-            "meta": variant.batch.meta}
-    try:
-        head["batch"] = rollout_sha256(variant.batch)
-        text = json.dumps(head, sort_keys=True, default=repr)
-    except (RuntimeError, TypeError, ValueError):   # e.g. a nested tensor: just run it
-        return None
+            "threads": torch.get_num_threads(), "variant": variant_key}
+    text = json.dumps(head, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

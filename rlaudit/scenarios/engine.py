@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 from rlaudit.backends.base import ReplayRequest, Variant
+from rlaudit.backends.dedupe import replay_distinct
 from rlaudit.config import flatten, to_dict
 from rlaudit.backends.registry import get_backend
 from rlaudit.data.io import load_rollout
@@ -70,9 +71,10 @@ def _replay(backend, request: ReplayRequest):
 
 def _replay_one(replay, backend, request):
     """One backend's runs, or what went wrong: an InputError (re-raised by the caller), or the
-    error text of a crashed backend -- a finding, reported with its traceback."""
+    error text of a crashed backend -- a finding, reported with its traceback. Each distinct
+    variant is replayed once (rlaudit/backends/dedupe.py)."""
     try:
-        return replay(backend, request)
+        return replay_distinct(replay, backend, request)
     except InputError as e:
         return e
     except RlauditError as e:

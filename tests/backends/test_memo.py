@@ -46,7 +46,8 @@ def _same(a, b) -> bool:
     return (_untimed(a.steps) == _untimed(b.steps) and a.tokens.keys() == b.tokens.keys()
             and all(torch.equal(a.tokens[k], b.tokens[k]) for k in a.tokens)
             and len(a.params) == len(b.params)
-            and all(torch.equal(x, y) for x, y in zip(a.params, b.params)))
+            and all(torch.equal(x, y) for x, y in zip(a.params, b.params))
+            and a.micro_log == b.micro_log)
 
 
 @pytest.fixture(autouse=True)
