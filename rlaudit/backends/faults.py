@@ -20,8 +20,9 @@ without ``/VARIANT`` applies to every variant of that backend. Kinds (:data:`KIN
 - ``grad_scale`` (``module`` = an HF module name, ``tp_rank``, ``factor``): on that tensor-
   parallel rank (megatron only), the gradient of every parameter shard of the module is
   multiplied by ``factor`` as it is produced (the module's backward is wrong on one shard).
-- ``lr_scale`` (``factor``): the actor's optimizer steps with ``factor`` x the configured
-  learning rate.
+- ``lr_scale`` (``factor``, ``rank``): the actor's optimizer steps with ``factor`` x the
+  configured learning rate -- on every rank, or only on global rank ``rank`` when given (data-
+  parallel replicas then drift apart).
 - ``advantage_group`` (``shift``): advantages are computed with the wrong groups: the step sees
   ``uid`` rolled by ``shift`` rows (every group takes one row of its neighbour).
 
@@ -150,6 +151,9 @@ def _apply(fault: Fault, backend: str, role: str, ctx) -> None:
     megatron = hasattr(ctx, "hf_config")
     modules, local = _modules(ctx)
     if fault.kind == "lr_scale":
+        only = fault.get("rank", None, int)
+        if only is not None and torch.distributed.get_rank() != only:
+            return
         if role == "actor" and ctx.optimizer is not None:
             for group in ctx.optimizer.param_groups:
                 group["lr"] = group["lr"] * fault.get("factor", 1.5)

@@ -23,11 +23,14 @@ per-token outputs are broadcast from the last pipeline stage; parameters are gat
 model-parallel group), with ``micro_log`` holding every rank's micro-batches and ``info``:
 ``layout``, ``optimizer`` (megatron's optimizer class), ``norm_log`` (per optimizer step, the
 norm used and megatron's own float32 norm), ``rank_metrics_agree`` (every rank logged the same
-metrics).
+metrics) and ``rank_params_differ`` (initially and after each step, the ranks whose gathered full parameters
+differ from global rank 0's: every rank gathers the whole model over its model-parallel group,
+so data-parallel replicas must hold the same bits; empty when they all do).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -168,6 +171,11 @@ def replay_in_rank(info, request: ReplayRequest) -> dict[str, VariantRun]:
             run = replay_variant(make_roles, variant)
             run.info["norm_log"] = list(made[0].norm_log)
             run.info["optimizer"] = "+".join(type(o).__name__ for o in made[0].inner_optimizers())
+            # what every rank holds, initially and after each step (merge_ranks compares them)
+            run.info["params_sha"] = {
+                **({"initial": _digest(run.params_initial)}
+                   if run.params_initial is not None else {}),
+                **{f"after step {k}": _digest(p) for k, p in enumerate(run.params)}}
             if info.rank != 0:  # keep what merge_ranks reads
                 run = VariantRun(name=run.name, steps=run.steps, micro_log=run.micro_log,
                                  info=run.info)
@@ -190,7 +198,21 @@ def merge_ranks(per_rank: list[dict[str, VariantRun]], layout: tuple[int, int, i
                          for step in range(len(run.micro_log))]
         run.info["rank_metrics_agree"] = all(
             _metrics(r[name].steps) == _metrics(run.steps) for r in per_rank)
+        differ = {}
+        for when, sha in run.info.get("params_sha", {}).items():
+            ranks = [k for k, r in enumerate(per_rank) if r[name].info["params_sha"].get(when) != sha]
+            if ranks:
+                differ[when] = ranks
+        run.info["rank_params_differ"] = differ
     return runs
+
+
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _metrics(steps: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -118,7 +118,11 @@ def _log_prob_noise(ctx: CheckContext) -> float:
 def distributed_health(ctx: CheckContext):
     """Every rank runs the same number of forward/backward passes in every optimizer step of
     every variant (padding micro-batches make up the difference), so no collective can
-    desynchronise; a rank that raised or died is reported with its traceback by the launcher."""
+    desynchronise; a rank that raised or died is reported with its traceback by the launcher.
+    Where a backend reports them (Megatron): every rank logs the same metrics, and every rank
+    holds the same full model initially and after every step -- data-parallel replicas that
+    drift apart (a rank that skips its optimizer step or its gradient all-reduce, or steps with
+    other settings) would otherwise go unseen, since results are read from rank 0."""
     out = []
     for b in ctx.backends():
         problems, ranks_seen = [], 1
@@ -129,6 +133,11 @@ def distributed_health(ctx: CheckContext):
                 if any(c != counts[0] for c in counts):
                     problems.append(f"{vname} step {step}: micro-batches per optimizer step differ "
                                     f"across ranks: {counts}")
+            if run.info.get("rank_metrics_agree") is False:
+                problems.append(f"{vname}: ranks logged different metrics (rank 0's are reported)")
+            for when, ranks in (run.info.get("rank_params_differ") or {}).items():
+                problems.append(f"{vname} {when}: rank(s) {', '.join(map(str, ranks))} hold other "
+                                f"parameters than rank 0 (replicas drifted apart)")
         if ranks_seen == 1 and not problems:
             out.append(not_applicable("distributed-health", b, "one rank"))
             continue

@@ -108,6 +108,9 @@ def parity_problems(runs, want_runs, mask, tol: Tolerance, world: int) -> list[s
             problems.append(f"{name}: the batch was modified in place")
         if not run.info.get("rank_metrics_agree"):
             problems.append(f"{name}: ranks logged different metrics")
+        if run.info.get("rank_params_differ") != {} or "after step 0" not in run.info["params_sha"]:
+            problems.append(f"{name}: ranks hold different parameters: "
+                            f"{run.info.get('rank_params_differ')}")
         for i, entry in enumerate(run.info["norm_log"]):
             rel = abs(entry["megatron_fp32"] - entry["grad_norm"]) / entry["grad_norm"]
             if not rel <= NORM_FP32_RTOL:
@@ -264,6 +267,41 @@ def test_scenario_passes_on_megatron_tp2(tmp_path, batch):
         check = by_key[(name, "megatron")]
         assert check.status == PASS, (name, check.message)
     assert result.passed, [(c.invariant, c.backend, c.status, c.message) for c in result.checks]
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@needs_megatron
+def test_replicas_that_drift_apart_fail_distributed_health(tmp_path, batch, monkeypatch):
+    """Results are read from global rank 0, so a data-parallel replica that steps differently
+    (here: rank 1's optimizer with 1.5 x the learning rate) changes nothing rank 0 reports when
+    the step is one optimizer step (one mini-batch); distributed-health compares every rank's
+    gathered model and names the rank."""
+    from rlaudit.data.io import save_rollout
+    from rlaudit.scenarios.engine import run_scenario
+    from rlaudit.scenarios.result import FAIL, PASS
+    from rlaudit.scenarios.spec import load_scenario
+
+    rollout = tmp_path / "rollout.safetensors"
+    save_rollout(batch.without("teacher_topk_ids", "teacher_topk_log_probs"), rollout)
+    config = copy.deepcopy(R.BASE)
+    del config["trainer"]["dtype"]
+    config["actor"]["ppo_mini_batch_size"] = config["data"]["train_batch_size"]  # one optimizer step
+    spec = {"description": "megatron DP=2", "model": str(R.MODEL), "rollout": str(rollout),
+            "steps": 1, "dtype": "float64", "config": config,
+            "backends": {"reference": {}, "megatron": {"dp": 2}},
+            "invariants": ["distributed-health", "backend-parity"]}
+    path = tmp_path / "megatron_dp2.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    clean = {(c.invariant, c.backend): c for c in run_scenario(load_scenario(path)).checks}
+    assert clean[("distributed-health", "megatron")].status == PASS
+    monkeypatch.setenv("RLAUDIT_FAULT", "megatron:lr_scale:rank=1,factor=1.5")
+    faulty = {(c.invariant, c.backend): c for c in run_scenario(load_scenario(path)).checks}
+    health = faulty[("distributed-health", "megatron")]
+    assert health.status == FAIL
+    assert "base after step 0: rank(s) 1 hold other parameters than rank 0" in health.message
+    # rank 0's own results are untouched: parity with the reference cannot see it
+    assert faulty[("backend-parity", "megatron")].status == PASS
 
 
 # ---- no spawn -----------------------------------------------------------------------------------
