@@ -3,6 +3,8 @@ scenario's tolerances: the workhorse of the metamorphic and parity invariants.""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,15 @@ class Comparison:
         self.ok = False
         self.failures.append(msg)
         self.details.setdefault("failures", []).append({"message": msg, **details})
+
+    def fail_tensor(self, msg: str, tol, **details) -> None:
+        """A failed per-token or parameter comparison: its worst entries count in ``drift`` (the
+        "worst drift" a failing row shows would otherwise be the metrics' alone)."""
+        self.fail(msg, **details)
+        for w in details.get("worst", []):
+            d = drift(w["got"], w["want"], tol)
+            if math.isfinite(d):
+                self.drift = max(self.drift, d)
 
     @property
     def message(self) -> str:
@@ -113,7 +124,7 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
         ok, msg, det = compare_tensors(name, gt, want.tokens[name], scn.tol(name), mask,
                                        slack=slack)
         if not ok:
-            c.fail(f"{pre}{msg}", tensor=name, **det)
+            c.fail_tensor(f"{pre}{msg}", scn.tol(name), tensor=name, **det)
     if params and got.params and want.params:
         for step in range(min(len(got.params), len(want.params), n_steps)):
             if got.param_names != want.param_names:
@@ -127,7 +138,8 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
                                            want.params[step], scn.tol("params"))
             if not ok:
                 idx = det.get("worst", [{}])[0].get("index", [0])[0]
-                c.fail(f"{pre}{msg} (in {_param_of(want, idx)})", step=step, **det)
+                c.fail_tensor(f"{pre}{msg} (in {_param_of(want, idx)})", scn.tol("params"),
+                              step=step, **det)
     return c
 
 
