@@ -21,9 +21,9 @@ def _load(*names):
 def test_pools_of_the_multi_rank_backends_in_order_of_first_use():
     pytest.importorskip("megatron.core")
     # kl_k1: fsdp dp=2, megatron tp=2; agg_token_mean: megatron pp=2 (the same world size, so
-    # the same pool); seed_padding_microbatches: megatron dp=2 again
+    # the same pool); seed_padding_microbatches: fsdp dp=2 again, megatron tp=2 x dp=2 (four)
     got = needed_pools(_load("kl_k1", "agg_token_mean", "seed_padding_microbatches"), None)
-    assert got == [("fsdp", 2, "cpu", 1), ("megatron", 2, "cpu", 1)]
+    assert got == [("fsdp", 2, "cpu", 1), ("megatron", 2, "cpu", 1), ("megatron", 4, "cpu", 1)]
 
 
 def test_reference_only_and_backend_filters_need_no_pool_they_do_not_use():
