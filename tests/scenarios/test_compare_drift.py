@@ -54,14 +54,17 @@ def test_a_passing_comparison_measures_metrics_only():
     want = _run()
     got = copy.deepcopy(want)
     got.steps[0]["actor/entropy"] = 2.0 * (1 + 1e-10)
-    got.params[0][0] = 1.0 + 5e-12                           # within atol, not counted
+    got.params[0][2] = 3.0 * (1 + 5e-10)                     # within rtol 1e-9: not counted
+    got.tokens["old_log_probs"][0, 0] = -1.0 * (1 + 5e-10)   # within rtol 1e-9: not counted
     c = compare_runs(_Scn(), got, want, mask=MASK)
     assert c.ok
     assert c.drift == pytest.approx(1e-10, rel=1e-3)
 
 
-def test_a_nan_does_not_make_the_drift_nan():
+def test_an_infinite_entry_fails_but_keeps_the_drift_finite():
     want, got = _run(), _run()
-    got.tokens["old_log_probs"][0, 0] = float("nan")
+    got.tokens["old_log_probs"][0, 0] = float("inf")
+    got.tokens["old_log_probs"][1, 1] = -5.0                 # 25 % off: what the drift shows
     c = compare_runs(_Scn(), got, want, mask=MASK)
-    assert not c.ok and c.drift == c.drift   # finite or a number, never NaN
+    assert not c.ok and "old_log_probs" in c.message
+    assert c.drift == pytest.approx(0.25)

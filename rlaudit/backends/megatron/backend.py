@@ -30,7 +30,6 @@ so data-parallel replicas must hold the same bits; empty when they all do).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.replay import replay_variant
+from rlaudit.data.io import rollout_sha256
 from rlaudit.errors import InputError
 from rlaudit.update.step import Roles, needs_ref
 
@@ -172,10 +172,10 @@ def replay_in_rank(info, request: ReplayRequest) -> dict[str, VariantRun]:
             run.info["norm_log"] = list(made[0].norm_log)
             run.info["optimizer"] = "+".join(type(o).__name__ for o in made[0].inner_optimizers())
             # what every rank holds, initially and after each step (merge_ranks compares them)
-            run.info["params_sha"] = {
-                **({"initial": _digest(run.params_initial)}
-                   if run.params_initial is not None else {}),
-                **{f"after step {k}": _digest(p) for k, p in enumerate(run.params)}}
+            held = {} if run.params_initial is None else {"initial": run.params_initial}
+            held.update({f"after step {k}": p for k, p in enumerate(run.params)})
+            run.info["params_sha"] = {when: rollout_sha256({"params": p})
+                                      for when, p in held.items()}
             if info.rank != 0:  # keep what merge_ranks reads
                 run = VariantRun(name=run.name, steps=run.steps, micro_log=run.micro_log,
                                  info=run.info)
@@ -205,14 +205,6 @@ def merge_ranks(per_rank: list[dict[str, VariantRun]], layout: tuple[int, int, i
                 differ[when] = ranks
         run.info["rank_params_differ"] = differ
     return runs
-
-
-def _digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's dtype, shape and bytes."""
-    t = t.detach().cpu().contiguous()
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _metrics(steps: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -4,7 +4,6 @@ scenario's tolerances: the workhorse of the metamorphic and parity invariants.""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 import torch
