@@ -101,6 +101,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     folder = _folder(path)
     _read_config(folder)
     weight_files(folder)
+    from rlaudit.model.hf_import import import_model_code
+
+    import_model_code()  # without scikit-learn's second of imports (see hf_import)
     from transformers import AutoModelForCausalLM  # after the checks: errors come fast
     from transformers.utils import logging as hf_logging
 
@@ -149,6 +152,9 @@ def load_tokenizer(path: str | Path):
         raise InputError(f"malformed JSON: {err}", source=str(tok_config)) from None
     generic = (isinstance(declared, dict) and (folder / TOKENIZER_FILES[0]).is_file()
                and declared.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES)
+    from rlaudit.model.hf_import import import_model_code
+
+    import_model_code()  # AutoTokenizer brings the model code too (see hf_import)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     loader = PreTrainedTokenizerFast if generic else AutoTokenizer

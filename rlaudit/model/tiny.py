@@ -167,6 +167,9 @@ def build_tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
     """
     from transformers import AutoModelForCausalLM
 
+    from rlaudit.model.hf_import import import_model_code
+
+    import_model_code()
     config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,

@@ -30,7 +30,8 @@ import traceback
 
 #: What the ranks of rlaudit's FSDP and Megatron backends import, outermost first. Listing the
 #: lazily loaded model and megatron modules is what makes the preload worth it: ``import
-#: transformers`` alone defers most of the cost to the first model load.
+#: transformers`` alone defers most of the cost to the first model load. ``module:function``:
+#: import the module, then call the function (no arguments).
 MODULES = (
     "torch",
     "torch.distributed",
@@ -38,6 +39,7 @@ MODULES = (
     "torch.distributed.device_mesh",
     "torch.distributed.tensor",
     "transformers",
+    "rlaudit.model.hf_import:import_model_code",  # the model code without scikit-learn
     "transformers.models.auto.modeling_auto",
     "transformers.models.auto.tokenization_auto",
     "transformers.models.qwen2.modeling_qwen2",
@@ -83,7 +85,10 @@ def preload(modules=MODULES) -> dict[str, str]:
     failed = {}
     for name in modules:
         try:
-            __import__(name)  # (not importlib: a profiler that wraps __import__ sees it)
+            module, _, function = name.partition(":")
+            __import__(module)  # (not importlib: a profiler that wraps __import__ sees it)
+            if function:
+                getattr(sys.modules[module], function)()
         except BaseException as exc:  # noqa: BLE001 - the rank imports it again and reports
             failed[name] = f"{type(exc).__name__}: {exc}"
             sys.stderr.write(f"[rlaudit preload] {name}: {failed[name]}\n"

@@ -1,0 +1,71 @@
+"""rlaudit.model.hf_import: transformers' model code imported without scikit-learn, in fresh
+interpreters -- and a model loaded that way computes what one loaded with scikit-learn does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "scenarios" / "models" / "qwen2-tiny-short"
+
+_LOAD = """
+import json, sys, torch
+{before}
+from rlaudit.model import hf_import
+hidden = hf_import.import_model_code()
+from rlaudit.model.load import load_model
+model = load_model({model!r}, dtype=torch.float64)
+ids = torch.arange(1, 13).reshape(2, 6) % model.config.vocab_size
+with torch.no_grad():
+    logits = model(input_ids=ids).logits
+loaded = "sklearn" in sys.modules
+never_left_hidden = sys.modules.get("sklearn", 0) is not None
+import sklearn.metrics  # importable afterwards
+print(json.dumps({{"hidden": hidden, "sklearn_loaded": loaded, "logits": logits.flatten().tolist(),
+                  "never_left_hidden": never_left_hidden}}))
+"""
+
+
+def _run(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_model_loads_without_sklearn_and_computes_the_same_logits():
+    pytest.importorskip("sklearn")
+    hidden = _run(_LOAD.format(before="", model=str(MODEL)))
+    # transformers has answered "installed" already: nothing may be hidden then (the module must
+    # find it), and this is the usual import, with scikit-learn -- the reference logits
+    usual = _run(_LOAD.format(before="from transformers.utils import import_utils; "
+                                     "import_utils.is_sklearn_available()", model=str(MODEL)))
+    assert (hidden["hidden"], hidden["sklearn_loaded"]) == (True, False)
+    assert (usual["hidden"], usual["sklearn_loaded"]) == (False, True)
+    assert hidden["never_left_hidden"] and usual["never_left_hidden"]
+    assert hidden["logits"] == usual["logits"]  # bit for bit
+
+
+_NEEDS = """
+import json, sys
+sys.path.insert(0, {tmp!r})
+from rlaudit.model import hf_import
+hf_import.SKLEARN_USER = "needs_sklearn"
+hidden = hf_import.import_model_code()
+print(json.dumps({{"hidden": hidden, "ok": sys.modules["needs_sklearn"].roc_curve is not None,
+                  "hidden_entry": sys.modules.get("sklearn", 0) is None}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_release_that_needs_sklearn_there_gets_it(tmp_path):
+    pytest.importorskip("sklearn")
+    (tmp_path / "needs_sklearn.py").write_text("from sklearn.metrics import roc_curve\n")
+    got = _run(_NEEDS.format(tmp=str(tmp_path)))
+    assert got == {"hidden": False, "ok": True, "hidden_entry": False}
