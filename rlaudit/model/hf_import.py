@@ -13,9 +13,10 @@ rlaudit never runs.
 entry ``None``, which makes ``importlib.util.find_spec`` answer "not installed"), then un-hides
 it: ``import sklearn`` works as before afterwards. transformers caches its answer, so in this
 process it treats scikit-learn as absent (consistently: assisted generation would say so).
-Nothing is hidden when the module is imported already, when scikit-learn is loaded already
-(nothing left to save), or when transformers has already decided that scikit-learn is present
-(then the module must find it).
+Nothing is hidden when the module is imported already or scikit-learn is loaded already (nothing
+left to save). When the import fails with scikit-learn hidden -- transformers had already
+answered "installed" and so imports it, or a release needs it there -- the module is imported
+again with nothing hidden and transformers' cached answer dropped.
 """
 
 from __future__ import annotations
@@ -28,15 +29,9 @@ SKLEARN_USER = "transformers.generation.candidate_generator"
 
 def import_model_code() -> bool:
     """Import :data:`SKLEARN_USER` with scikit-learn hidden, if that still saves anything.
-    Returns whether it was hidden. A transformers release that needs scikit-learn at that import
-    gets it: the module is imported again with nothing hidden."""
+    Returns whether it stayed hidden (False: imported with scikit-learn, or nothing to do)."""
     if SKLEARN_USER in sys.modules or "sklearn" in sys.modules:
         return False
-    from transformers.utils import import_utils
-
-    cached = getattr(import_utils.is_sklearn_available, "cache_info", None)
-    if cached is None or cached().currsize:
-        return False  # already answered (or not cacheable): the module must see the truth
     sys.modules["sklearn"] = None  # type: ignore[assignment]
     try:
         __import__(SKLEARN_USER)
@@ -48,6 +43,8 @@ def import_model_code() -> bool:
         if "sklearn" in sys.modules and sys.modules["sklearn"] is None:
             del sys.modules["sklearn"]
     if not hidden:  # it needed scikit-learn after all: the truth, and the module, again
+        from transformers.utils import import_utils
+
         import_utils.is_sklearn_available.cache_clear()
         __import__(SKLEARN_USER)
     return hidden

@@ -165,11 +165,11 @@ def build_tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
     and then cast, so the float64 model holds exactly the float32 weights). The caller's global
     RNG state is left untouched. Attention is ``"eager"`` (see :mod:`rlaudit.model.load`).
     """
-    from transformers import AutoModelForCausalLM
-
     from rlaudit.model.hf_import import import_model_code
 
-    import_model_code()
+    import_model_code()  # before transformers' model classes (see hf_import)
+    from transformers import AutoModelForCausalLM
+
     config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,

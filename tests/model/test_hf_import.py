@@ -17,9 +17,9 @@ _LOAD = """
 import json, sys, torch
 {before}
 from rlaudit.model import hf_import
-hidden = hf_import.import_model_code()
 from rlaudit.model.load import load_model
-model = load_model({model!r}, dtype=torch.float64)
+model = load_model({model!r}, dtype=torch.float64)  # its own import_model_code() comes first
+hidden = hf_import.SKLEARN_USER in sys.modules and "sklearn" not in sys.modules
 ids = torch.arange(1, 13).reshape(2, 6) % model.config.vocab_size
 with torch.no_grad():
     logits = model(input_ids=ids).logits
@@ -42,8 +42,8 @@ def _run(code: str) -> dict:
 def test_model_loads_without_sklearn_and_computes_the_same_logits():
     pytest.importorskip("sklearn")
     hidden = _run(_LOAD.format(before="", model=str(MODEL)))
-    # transformers has answered "installed" already: nothing may be hidden then (the module must
-    # find it), and this is the usual import, with scikit-learn -- the reference logits
+    # transformers has answered "installed" already: the module imports scikit-learn, which
+    # fails while hidden, so it is imported again the usual way -- the reference logits
     usual = _run(_LOAD.format(before="from transformers.utils import import_utils; "
                                      "import_utils.is_sklearn_available()", model=str(MODEL)))
     assert (hidden["hidden"], hidden["sklearn_loaded"]) == (True, False)
@@ -69,3 +69,18 @@ def test_a_release_that_needs_sklearn_there_gets_it(tmp_path):
     (tmp_path / "needs_sklearn.py").write_text("from sklearn.metrics import roc_curve\n")
     got = _run(_NEEDS.format(tmp=str(tmp_path)))
     assert got == {"hidden": False, "ok": True, "hidden_entry": False}
+
+
+_TINY = """
+import json, sys
+from rlaudit.model import hf_import
+from rlaudit.model.tiny import build_tiny_model
+build_tiny_model("qwen2", num_hidden_layers=1)
+print(json.dumps({"cg": hf_import.SKLEARN_USER in sys.modules, "sklearn": "sklearn" in sys.modules}))
+"""
+
+
+@pytest.mark.slow
+def test_tiny_models_are_built_without_sklearn():
+    pytest.importorskip("sklearn")
+    assert _run(_TINY) == {"cg": True, "sklearn": False}
