@@ -52,10 +52,19 @@ class ReplayRequest:
     faults: str = field(default_factory=lambda: _faults_from_env())
     """Test-only fault injectors (rlaudit/backends/faults.py): a copy of ``$RLAUDIT_FAULT`` taken
     when the request is made, so it reaches ranks spawned earlier; empty in every real run."""
+    forward_memo: bool = field(default_factory=lambda: _forward_memo_from_env())
+    """Answer a forward-only pass that repeats an earlier one of this request from a memo (CPU
+    only; rlaudit/update/forward_memo.py). ``$RLAUDIT_FORWARD_MEMO=0`` when the request is made
+    turns it off; the results are the same bit for bit either way."""
 
 
 def _faults_from_env() -> str:
     from rlaudit.backends.faults import from_env
+    return from_env()
+
+
+def _forward_memo_from_env() -> bool:
+    from rlaudit.update.forward_memo import from_env
     return from_env()
 
 

@@ -20,6 +20,7 @@ from rlaudit.backends.base import ReplayRequest, VariantRun
 from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.reference import torch_roles
 from rlaudit.backends.replay import replay_variant
+from rlaudit.update import forward_memo
 
 
 def _decoder_layers(module: torch.nn.Module):
@@ -57,14 +58,16 @@ def _rank_main(info, request: ReplayRequest) -> dict[str, VariantRun]:
     param_dtype = "float32" if request.dtype == "bfloat16" else request.dtype
     wrap = make_wrap(mesh, request.dtype)
     out = {}
-    for variant in request.variants:
-        torch.manual_seed(variant.config.trainer.seed)
-        make_roles = (lambda v: torch_roles(request.model, v, dtype=param_dtype,
-                                            device=str(info.device), wrap=wrap, distributed=True,
-                                            ref_model_path=request.ref_model))
-        if request.faults:  # test-only (rlaudit/backends/faults.py)
-            variant, make_roles = faults.inject(request.faults, "fsdp", variant, make_roles)
-        out[variant.name] = replay_variant(make_roles, variant)
+    with forward_memo.scope(info.device, request.forward_memo):
+        for variant in request.variants:
+            torch.manual_seed(variant.config.trainer.seed)
+            make_roles = (lambda v: torch_roles(request.model, v, dtype=param_dtype,
+                                                device=str(info.device), wrap=wrap,
+                                                distributed=True,
+                                                ref_model_path=request.ref_model))
+            if request.faults:  # test-only (rlaudit/backends/faults.py)
+                variant, make_roles = faults.inject(request.faults, "fsdp", variant, make_roles)
+            out[variant.name] = replay_variant(make_roles, variant)
     return out
 
 

@@ -16,6 +16,7 @@ from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.replay import replay_variant
 from rlaudit.model.critic import ValueModel
 from rlaudit.model.load import load_model, load_tokenizer
+from rlaudit.update import forward_memo
 from rlaudit.update.context import TorchContext, build_optimizer
 from rlaudit.update.step import Roles, needs_ref
 
@@ -76,19 +77,20 @@ class ReferenceBackend:
         out = {}
         wrap = (functools.partial(perturb_weights, rel=request.weight_noise)
                 if request.weight_noise else (lambda module: module))
-        for variant in request.variants:
-            k = memo.key(request, variant)
-            run = memo.lookup(k)
-            if run is None:
-                torch.manual_seed(variant.config.trainer.seed)
-                run = replay_variant(
-                    lambda v: torch_roles(request.model, v, dtype=request.dtype,
-                                          device=request.device, ref_model_path=request.ref_model,
-                                          wrap=wrap),
-                    variant)
-                memo.store(k, run)
-            run.name = variant.name
-            out[variant.name] = run
+        with forward_memo.scope(request.device, request.forward_memo):
+            for variant in request.variants:
+                k = memo.key(request, variant)
+                run = memo.lookup(k)
+                if run is None:
+                    torch.manual_seed(variant.config.trainer.seed)
+                    run = replay_variant(
+                        lambda v: torch_roles(request.model, v, dtype=request.dtype,
+                                              device=request.device,
+                                              ref_model_path=request.ref_model, wrap=wrap),
+                        variant)
+                    memo.store(k, run)
+                run.name = variant.name
+                out[variant.name] = run
         return out
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from rlaudit.backends.base import Variant, VariantRun
+from rlaudit.update import forward_memo
 from rlaudit.update.actor import compute_log_probs
 from rlaudit.update.step import Roles, train_step
 
@@ -43,6 +44,14 @@ def _flat(params: dict) -> torch.Tensor | None:
 
 def replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
                    record_params: bool = True) -> VariantRun:
+    if getattr(variant, "probe", None) is not None:  # its recorder sees every pass it makes
+        with forward_memo.paused():
+            return _replay_variant(make_roles, variant, record_params=record_params)
+    return _replay_variant(make_roles, variant, record_params=record_params)
+
+
+def _replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
+                    record_params: bool) -> VariantRun:
     cfg = variant.config
     batch = variant.batch
     before = _fingerprint(batch)

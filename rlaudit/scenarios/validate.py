@@ -77,7 +77,10 @@ def validate_invocation(paths: list[Path], *, backends: list[str] | None = None,
     from rlaudit.backends.registry import backend_names
     from rlaudit.scenarios.spec import load_scenario
 
+    from rlaudit.update import forward_memo
+
     problems = Problems()
+    problems.attempt(forward_memo.from_env)  # $RLAUDIT_FORWARD_MEMO, read by every replay
     for b in backends or []:
         if b not in backend_names():
             problems.add(f"unknown backend {b!r}; valid: {', '.join(backend_names())}",

@@ -24,6 +24,7 @@ from rlaudit.algo.rollout_corr import rollout_kl_loss_mat
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
+from rlaudit.update import forward_memo
 from rlaudit.update.context import ForwardSpec, ParallelContext
 from rlaudit.update.plan import optimizer_steps, plan_micro, rank_shard
 from rlaudit.update.stats import LOCAL
@@ -141,13 +142,22 @@ def compute_log_probs(ctx: ParallelContext, batch: RolloutBatch, cfg: Config, *,
 
 
 def _forward_rows(ctx, batch, cfg, spec, keys):
-    """Run a no-grad forward over the whole batch split across ranks; reassemble rows in order."""
+    """Run a no-grad forward over the whole batch split across ranks; reassemble rows in order.
+    Inside a backend's replay on the CPU, a pass whose every input repeats an earlier one's is
+    answered from the request's memo (rlaudit/update/forward_memo.py)."""
+    plan = (cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.use_dynamic_bsz,
+            cfg.actor.ppo_max_token_len_per_gpu)
+    return forward_memo.forward_rows(ctx, batch, spec, keys, plan,
+                                     lambda: _forward_rows_now(ctx, batch, spec, keys, plan))
+
+
+def _forward_rows_now(ctx, batch, spec, keys, plan):
+    micro_batch_size, use_dynamic_bsz, max_token_len = plan
     idx = torch.arange(len(batch))
     rows = batch.with_fields(kinds={"_row": "seq"}, _row=idx)
     shard = rank_shard(ctx, rows, balance=False)
-    plan = plan_micro(ctx, shard, micro_batch_size=cfg.actor.ppo_micro_batch_size_per_gpu,
-                      use_dynamic_bsz=cfg.actor.use_dynamic_bsz,
-                      max_token_len=cfg.actor.ppo_max_token_len_per_gpu,
+    plan = plan_micro(ctx, shard, micro_batch_size=micro_batch_size,
+                      use_dynamic_bsz=use_dynamic_bsz, max_token_len=max_token_len,
                       norm_len=float(batch.response_width))
     # every rank runs every micro-batch, padding ones included: a sharded model's forward is a
     # collective (FSDP all-gathers parameters), so skipping passes on one rank desynchronises all

@@ -41,6 +41,7 @@ from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.replay import replay_variant
 from rlaudit.data.io import rollout_sha256
 from rlaudit.errors import InputError
+from rlaudit.update import forward_memo
 from rlaudit.update.step import Roles, needs_ref
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -152,34 +153,36 @@ def replay_in_rank(info, request: ReplayRequest) -> dict[str, VariantRun]:
         pad_id = int(load_tokenizer(request.model).pad_token_id or 0)
         kw = dict(dtype=dtype, device=info.device, pad_id=pad_id)
         out = {}
-        for variant in request.variants:
-            if variant.config.use_critic:
-                out[variant.name] = VariantRun(name=variant.name,
-                                               info={"unsupported": UNSUPPORTED_CRITIC})
-                continue
-            torch.manual_seed(variant.config.trainer.seed)
-            made = []
+        with forward_memo.scope(info.device, request.forward_memo):
+            for variant in request.variants:
+                if variant.config.use_critic:
+                    out[variant.name] = VariantRun(name=variant.name,
+                                                   info={"unsupported": UNSUPPORTED_CRITIC})
+                    continue
+                torch.manual_seed(variant.config.trainer.seed)
+                made = []
 
-            def make_roles(v: Variant) -> Roles:
-                ref = _ref_context(ref_ckpt, **kw) if needs_ref(v.config) else None
-                made.append(_actor_context(actor_ckpt, v, **kw))
-                return Roles(actor=made[-1], ref=ref)
+                def make_roles(v: Variant) -> Roles:
+                    ref = _ref_context(ref_ckpt, **kw) if needs_ref(v.config) else None
+                    made.append(_actor_context(actor_ckpt, v, **kw))
+                    return Roles(actor=made[-1], ref=ref)
 
-            if request.faults:  # test-only (rlaudit/backends/faults.py)
-                variant, make_roles = faults.inject(request.faults, "megatron", variant,
-                                                    make_roles)
-            run = replay_variant(make_roles, variant)
-            run.info["norm_log"] = list(made[0].norm_log)
-            run.info["optimizer"] = "+".join(type(o).__name__ for o in made[0].inner_optimizers())
-            # what every rank holds, initially and after each step (merge_ranks compares them)
-            held = {} if run.params_initial is None else {"initial": run.params_initial}
-            held.update({f"after step {k}": p for k, p in enumerate(run.params)})
-            run.info["params_sha"] = {when: rollout_sha256({"params": p})
-                                      for when, p in held.items()}
-            if info.rank != 0:  # keep what merge_ranks reads
-                run = VariantRun(name=run.name, steps=run.steps, micro_log=run.micro_log,
-                                 info=run.info)
-            out[variant.name] = run
+                if request.faults:  # test-only (rlaudit/backends/faults.py)
+                    variant, make_roles = faults.inject(request.faults, "megatron", variant,
+                                                        make_roles)
+                run = replay_variant(make_roles, variant)
+                run.info["norm_log"] = list(made[0].norm_log)
+                run.info["optimizer"] = "+".join(type(o).__name__
+                                                 for o in made[0].inner_optimizers())
+                # what every rank holds, initially and after each step (merge_ranks compares them)
+                held = {} if run.params_initial is None else {"initial": run.params_initial}
+                held.update({f"after step {k}": p for k, p in enumerate(run.params)})
+                run.info["params_sha"] = {when: rollout_sha256({"params": p})
+                                          for when, p in held.items()}
+                if info.rank != 0:  # keep what merge_ranks reads
+                    run = VariantRun(name=run.name, steps=run.steps, micro_log=run.micro_log,
+                                     info=run.info)
+                out[variant.name] = run
         return out
     finally:
         compat.teardown_megatron()

@@ -1,0 +1,246 @@
+"""Forward-only passes answered from a memo, within one backend replay request on the CPU.
+
+A scenario's variants replay the same rollout from the same checkpoints: the reference policy's
+log-probs, the probe of the initial policy and the actor's step-0 old log-probs are the same
+computation in most of them (``kl_k1``'s 13 variants: 31 of the 47 forward-only passes of a
+Megatron rank). On a CPU box each pass costs collectives (a Megatron TP forward all-reduces
+per layer; FSDP all-gathers parameters), so a three-backend scenario spends a third of its
+replay time recomputing what it already has.
+
+:func:`forward_rows` hands back a copy of the first result when a pass's inputs are identical,
+bit for bit, to an earlier one's in the same request: the key is a sha256 of everything a
+forward-only pass reads --
+
+- the model: every module's type, its parameters and buffers (local shards, exact bytes), its
+  plain attributes (``training``, ``variance_epsilon``, ``softmax_scale``, ...), the config
+  objects it holds, the qualified names of its forward hooks;
+- the context's plain attributes (ranks, sizes, pad id, device) and its type;
+- the batch (``rollout_sha256`` of its tensors, kinds, meta), the forward spec, the output keys
+  and the micro-batch plan's settings;
+- the process's torch settings (intra-op threads, default dtype, deterministic algorithms,
+  autocast).
+
+Across ranks the key is the digest of every rank's key (an all-gather), and a pass is answered
+from the memo only when every rank has it (an all-reduce): the ranks always agree, and a rank
+whose shard differs makes every rank recompute. A pass that draws random numbers is never
+stored (its answer would not repeat, nor would the generator's state after it).
+
+Scope: :func:`scope` around one request's variants (the three built-in backends), CPU only (a
+CUDA pass is not bitwise reproducible, and hashing a GPU model's weights costs more than its
+forward); never for the drift localisation's probe re-runs (:func:`paused`); nothing outside a
+scope (adapters, tests calling the update functions) is memoised. ``RLAUDIT_FORWARD_MEMO=0``
+when a request is made turns it off for that request (``ReplayRequest.forward_memo``).
+
+Results are the same with it on or off, bit for bit (tests/update/test_forward_memo.py, which
+also changes each of the inputs above and checks that the pass is recomputed). What it gives up
+is re-running an identical computation: a bug that made a second identical forward differ from
+the first (state left behind by a pass and read by the next) would show in fewer variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import threading
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlaudit.data.io import rollout_sha256
+from rlaudit.errors import InputError
+
+ENV = "RLAUDIT_FORWARD_MEMO"
+
+_local = threading.local()
+#: passes answered from / added to a memo in this process (for tests and benchmarks)
+stats = {"hits": 0, "misses": 0, "not_stored": 0}
+
+_PLAIN = (bool, int, float, str, type(None))
+#: module attributes every pass sets before it reads them, so their value before a pass cannot
+#: change it: megatron's schedules set ``current_microbatch`` on every transformer layer before
+#: each micro-batch (``set_current_microbatch``); left in the key, a Megatron model that had run
+#: a pass would never match a freshly built one
+_SET_BY_EVERY_PASS = frozenset({"current_microbatch"})
+
+
+def from_env() -> bool:
+    """``$RLAUDIT_FORWARD_MEMO``: unset or 1 on, 0 off (ReplayRequest's default)."""
+    raw = os.environ.get(ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise InputError(f"expected 0 (off) or 1 (on), got {raw!r}", source="environment",
+                         key=ENV)
+    return raw == "1"
+
+
+@contextlib.contextmanager
+def scope(device, enabled: bool = True) -> Iterator[None]:
+    """One request's memo (this thread): on the CPU, when ``enabled``."""
+    before = getattr(_local, "memo", None)
+    _local.memo = {} if enabled and torch.device(device).type == "cpu" else None
+    try:
+        yield
+    finally:
+        _local.memo = before
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Passes in this block (this thread) are computed, never answered from or added to the memo."""
+    before = getattr(_local, "memo", None)
+    _local.memo = None
+    try:
+        yield
+    finally:
+        _local.memo = before
+
+
+def forward_rows(ctx, batch, spec, keys: tuple, plan: tuple,
+                 compute: Callable[[], tuple]) -> tuple:
+    """``compute()`` (a forward-only pass of ``ctx`` over ``batch``), or a copy of its earlier
+    result when every input is the same. ``plan``: the micro-batch plan's settings."""
+    memo = getattr(_local, "memo", None)
+    if memo is None:
+        return compute()
+    local = _local_key(ctx, batch, spec, keys, plan)
+    group, world = _group_of(ctx)
+    key = _agreed_key(local, group, world)
+    if key is not None:
+        have = key in memo
+        if world > 1:  # answered from the memo only when every rank has it
+            flag = torch.tensor([1 if have else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            have = bool(flag.item())
+        if have:
+            stats["hits"] += 1
+            return _copy(memo[key])
+    rng = torch.get_rng_state()
+    out = compute()
+    if key is None:
+        return out
+    if torch.equal(rng, torch.get_rng_state()):
+        memo[key] = _copy(out)
+        stats["misses"] += 1
+    else:
+        stats["not_stored"] += 1
+    return out
+
+
+def _copy(out: tuple) -> tuple:
+    return tuple(None if t is None else t.clone() for t in out)
+
+
+def _group_of(ctx) -> tuple[object, int]:
+    """The ranks that run ``ctx``'s passes together: none for a single-process context (the
+    reference's, ``distributed=False``), its process group for a data-parallel TorchContext,
+    the whole world for Megatron's (TP x PP x DP: every rank runs every pass)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    if getattr(ctx, "distributed", True) is False:
+        return None, 1
+    group = getattr(ctx, "group", None)
+    return group, dist.get_world_size(group)
+
+
+def _agreed_key(local: bytes | None, group, world: int) -> str | None:
+    """The request-wide key: this rank's alone, or every rank's (all-gathered). None when some
+    rank's inputs cannot be digested (then every rank computes)."""
+    if world == 1:
+        return None if local is None else local.hex()
+    mine = torch.zeros(5, dtype=torch.int64)
+    if local is not None:
+        mine[0] = 1
+        mine[1:] = torch.frombuffer(bytearray(local), dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    if not all(int(t[0]) for t in every):
+        return None
+    h = hashlib.sha256()
+    for t in every:
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---- the local key ------------------------------------------------------------------------------
+
+def _local_key(ctx, batch, spec, keys, plan) -> bytes | None:
+    h = hashlib.sha256(b"rlaudit-forward-memo-1")
+    try:
+        head = {"spec": dataclasses.asdict(spec), "keys": list(keys), "plan": list(plan),
+                "ctx": [type(ctx).__qualname__, _plain_attrs(ctx)],
+                "torch": [torch.get_num_threads(), str(torch.get_default_dtype()),
+                          torch.are_deterministic_algorithms_enabled(),
+                          torch.is_autocast_enabled("cpu"),
+                          str(torch.get_autocast_dtype("cpu"))],
+                "kinds": {k: str(v) for k, v in batch.kinds.items()},
+                "meta": batch.meta, "batch": rollout_sha256(batch)}
+        h.update(json.dumps(head, sort_keys=True, default=repr).encode())
+        _hash_module(h, ctx.model)
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        return None  # e.g. a nested tensor, a model on a meta device: just compute
+    return h.digest()
+
+
+def _plain_attrs(obj) -> dict:
+    out = {}
+    for name, value in sorted(vars(obj).items()):
+        if isinstance(value, _PLAIN):
+            out[name] = value
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+            out[name] = list(value)
+        elif isinstance(value, (torch.device, torch.dtype)):
+            out[name] = str(value)
+    return out
+
+
+def _hash_module(h, model: torch.nn.Module) -> None:
+    configs: dict[int, str] = {}  # id -> digest of the config's contents (shared objects)
+    for name, module in model.named_modules(remove_duplicate=False):
+        attrs = {k: v for k, v in _plain_attrs(module).items() if k not in _SET_BY_EVERY_PASS}
+        for attr, value in vars(module).items():
+            if hasattr(value, "to_json_string") or (dataclasses.is_dataclass(value)
+                                                     and not isinstance(value, type)):
+                if id(value) not in configs:
+                    configs[id(value)] = _config_digest(value)
+                attrs[attr] = configs[id(value)]
+        hooks = [_qualname(f) for d in (module._forward_pre_hooks, module._forward_hooks)
+                 for f in d.values()]
+        h.update(json.dumps([name, type(module).__qualname__, attrs, hooks],
+                            sort_keys=True, default=repr).encode())
+        for pname, t in [*module.named_parameters(recurse=False),
+                         *module.named_buffers(recurse=False)]:
+            _hash_tensor(h, pname, t)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _config_digest(cfg) -> str:
+    """A model config's contents (HF ``PretrainedConfig``, megatron's ``TransformerConfig``):
+    its plain attributes, private ones included, and its JSON or its repr without the memory
+    addresses of the functions it names (the same function in every build)."""
+    text = (cfg.to_json_string() if hasattr(cfg, "to_json_string")
+            else _ADDRESS.sub("", repr(cfg)))
+    plain = json.dumps(_plain_attrs(cfg), sort_keys=True, default=repr)
+    return hashlib.sha256(f"{type(cfg).__qualname__}|{plain}|{text}".encode()).hexdigest()
+
+
+def _qualname(f) -> str:
+    f = getattr(f, "__func__", f)
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+
+
+def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
+    if hasattr(t, "to_local"):  # DTensor: this rank's shard (the agreed key covers the others)
+        h.update(repr(t.placements).encode())
+        t = t.to_local()
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError("the forward memo digests CPU tensors only")
+    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
