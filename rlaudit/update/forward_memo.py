@@ -10,8 +10,8 @@ FSDP all-gathers parameters): ``rlaudit run --all`` took 261 s without the memo,
 bit for bit, to an earlier one's in the same request: the key is a sha256 of everything a
 forward-only pass reads --
 
-- the model: every module's type, its parameters and buffers (local shards, exact bytes), its
-  plain attributes (``training``, ``variance_epsilon``, ``softmax_scale``, ...), the config
+- the model: every module's type, its parameters, buffers and other tensor attributes (local
+  shards, exact bytes), its plain attributes (``training``, ``variance_epsilon``, ``softmax_scale``, ...), the config
   objects it holds, the qualified names of its forward hooks;
 - the context's plain attributes (ranks, sizes, pad id, device) and its type;
 - the batch (``rollout_sha256`` of its tensors, kinds, meta), the forward spec, the output keys
@@ -200,18 +200,21 @@ def _hash_module(h, model: torch.nn.Module) -> None:
     configs: dict[int, str] = {}  # id -> digest of the config's contents (shared objects)
     for name, module in model.named_modules(remove_duplicate=False):
         attrs = {k: v for k, v in _plain_attrs(module).items() if k not in _SET_BY_EVERY_PASS}
-        for attr, value in vars(module).items():
+        tensors = []
+        for attr, value in sorted(vars(module).items()):
             if hasattr(value, "to_json_string") or (dataclasses.is_dataclass(value)
                                                      and not isinstance(value, type)):
                 if id(value) not in configs:
                     configs[id(value)] = _config_digest(value)
                 attrs[attr] = configs[id(value)]
+            elif isinstance(value, torch.Tensor):  # not a buffer (megatron's rotary inv_freq)
+                tensors.append((f"{attr} (attribute)", value))
         hooks = [_qualname(f) for d in (module._forward_pre_hooks, module._forward_hooks)
                  for f in d.values()]
         h.update(json.dumps([name, type(module).__qualname__, attrs, hooks],
                             sort_keys=True, default=repr).encode())
         for pname, t in [*module.named_parameters(recurse=False),
-                         *module.named_buffers(recurse=False)]:
+                         *module.named_buffers(recurse=False), *tensors]:
             _hash_tensor(h, pname, t)
 
 

@@ -100,6 +100,12 @@ def _hook(ctx, batch, cfg):
     ctx.model.model.norm.register_forward_hook(lambda module, args, out: out * 1.5)
 
 
+def _tensor_attribute(ctx, batch, cfg):
+    # a tensor the forward reads that is neither a parameter nor a buffer (megatron keeps its
+    # rotary inv_freq so): set before the first pass, changed in place after it
+    ctx.model.model.norm.scale.mul_(1.5)
+
+
 def _train_mode(ctx, batch, cfg):
     ctx.model.train()
 
@@ -126,6 +132,7 @@ def _threads(ctx, batch, cfg):
 CHANGES = {"parameter": (_bump_param, True), "buffer": (_bump_buffer, True),
            "rmsnorm epsilon": (_eps, True), "attention scaling": (_scaling, True),
            "config": (_config, False), "forward hook": (_hook, True),
+           "tensor attribute": (_tensor_attribute, True),
            "train mode": (_train_mode, False), "context pad id": (_pad_id, False),
            "one token": (_token, True), "micro-batch size": (_micro, False),
            "thread count": (_threads, False)}
@@ -135,6 +142,9 @@ CHANGES = {"parameter": (_bump_param, True), "buffer": (_bump_buffer, True),
 def test_whatever_a_forward_reads_is_in_the_key(change, batch):
     fn, changes_output = CHANGES[change]
     ctx, cfg = _actor(batch), _cfg()
+    norm = ctx.model.model.norm
+    norm.scale = torch.ones((), dtype=torch.float64)  # read by the hook, for "tensor attribute"
+    norm.register_forward_hook(lambda module, args, out: out * module.scale)
     threads = torch.get_num_threads()
     try:
         with forward_memo.scope("cpu"):
