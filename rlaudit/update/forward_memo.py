@@ -11,18 +11,26 @@ bit for bit, to an earlier one's in the same request: the key is a sha256 of eve
 forward-only pass reads --
 
 - the model: every module's type, its parameters, buffers and other tensor attributes (local
-  shards, exact bytes), its plain attributes (``training``, ``variance_epsilon``, ``softmax_scale``, ...), the config
-  objects it holds, the qualified names of its forward hooks;
+  shards, exact bytes), its plain attributes (``training``, ``variance_epsilon``,
+  ``softmax_scale``, ...), the config objects it holds, its forward hooks and any method set on
+  the instance (qualified name, a partial's arguments, a closure's values and defaults, a bound
+  method's object -- FSDP2's state with its mixed-precision policy), and the process-wide
+  module hooks;
 - the context's plain attributes (ranks, sizes, pad id, device) and its type;
 - the batch (``rollout_sha256`` of its tensors, kinds, meta), the forward spec, the output keys
   and the micro-batch plan's settings;
 - the process's torch settings (intra-op threads, default dtype, deterministic algorithms,
-  autocast).
+  autocast, float32 matmul precision, the SDPA backend flags, mkldnn).
+
+A hook or method holding something that cannot be digested makes the pass computed, never
+memoised. Out of reach: a library function patched at module level between two passes of one
+request (no backend does; a patch made before the replay applies to every pass alike).
 
 Across ranks the key is the digest of every rank's key (an all-gather), and a pass is answered
 from the memo only when every rank has it (an all-reduce): the ranks always agree, and a rank
-whose shard differs makes every rank recompute. A pass that draws random numbers is never
-stored (its answer would not repeat, nor would the generator's state after it).
+whose shard differs makes every rank recompute. A pass that draws random numbers (from the CPU
+generator or megatron's RNG tracker) is never stored: its answer would not repeat, nor would
+the generators' states after it.
 
 Scope: :func:`scope` around one request's variants (the three built-in backends), CPU only (a
 CUDA pass is not bitwise reproducible, and hashing a GPU model's weights costs more than its
@@ -40,11 +48,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import re
+import sys
 import threading
+import types
 from typing import Callable, Iterator
 
 import torch
@@ -117,16 +128,29 @@ def forward_rows(ctx, batch, spec, keys: tuple, plan: tuple,
         if have:
             stats["hits"] += 1
             return _copy(memo[key])
-    rng = torch.get_rng_state()
+    rng = _rng_states()
     out = compute()
     if key is None:
         return out
-    if torch.equal(rng, torch.get_rng_state()):
+    after = _rng_states()
+    if len(rng) == len(after) and all(map(torch.equal, rng, after)):
         memo[key] = _copy(out)
         stats["misses"] += 1
     else:
         stats["not_stored"] += 1
     return out
+
+
+def _rng_states() -> list[torch.Tensor]:
+    """The CPU generator's state and megatron's RNG tracker's (dropout inside its tensor-parallel
+    regions draws from the tracker, which restores the default generator afterwards)."""
+    states = [torch.get_rng_state()]
+    tracker = sys.modules.get("megatron.core.tensor_parallel.random")
+    if tracker is not None:
+        for _, state in sorted(tracker.get_cuda_rng_tracker().get_states().items()):
+            states.append(state.clone() if isinstance(state, torch.Tensor)
+                          else torch.tensor(list(bytes(repr(state), "utf8")), dtype=torch.uint8))
+    return states
 
 
 def _copy(out: tuple) -> tuple:
@@ -171,17 +195,26 @@ def _local_key(ctx, batch, spec, keys, plan) -> bytes | None:
     try:
         head = {"spec": dataclasses.asdict(spec), "keys": list(keys), "plan": list(plan),
                 "ctx": [type(ctx).__qualname__, _plain_attrs(ctx)],
-                "torch": [torch.get_num_threads(), str(torch.get_default_dtype()),
-                          torch.are_deterministic_algorithms_enabled(),
-                          torch.is_autocast_enabled("cpu"),
-                          str(torch.get_autocast_dtype("cpu"))],
+                "torch": _torch_settings(),
                 "kinds": {k: str(v) for k, v in batch.kinds.items()},
                 "meta": batch.meta, "batch": rollout_sha256(batch)}
         h.update(json.dumps(head, sort_keys=True, default=repr).encode())
         _hash_module(h, ctx.model)
-    except (RuntimeError, TypeError, ValueError, AttributeError):
-        return None  # e.g. a nested tensor, a model on a meta device: just compute
+    except Exception:  # noqa: BLE001 - e.g. a nested tensor, an undigestable hook: compute it
+        return None      # (a None key on any rank makes every rank compute)
     return h.digest()
+
+
+def _torch_settings() -> list:
+    """Process-wide settings a CPU forward's bits depend on."""
+    from torch.backends import cuda as sdp  # the SDPA backend flags govern the CPU too
+
+    return [torch.get_num_threads(), str(torch.get_default_dtype()),
+            torch.are_deterministic_algorithms_enabled(), torch.is_autocast_enabled("cpu"),
+            str(torch.get_autocast_dtype("cpu")), torch.get_float32_matmul_precision(),
+            str(getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "")),
+            sdp.flash_sdp_enabled(), sdp.mem_efficient_sdp_enabled(), sdp.math_sdp_enabled(),
+            sdp.cudnn_sdp_enabled(), bool(torch.backends.mkldnn.enabled)]
 
 
 def _plain_attrs(obj) -> dict:
@@ -198,6 +231,7 @@ def _plain_attrs(obj) -> dict:
 
 def _hash_module(h, model: torch.nn.Module) -> None:
     configs: dict[int, str] = {}  # id -> digest of the config's contents (shared objects)
+    tree = {id(m) for m in model.modules()}
     for name, module in model.named_modules(remove_duplicate=False):
         attrs = {k: v for k, v in _plain_attrs(module).items() if k not in _SET_BY_EVERY_PASS}
         tensors = []
@@ -209,13 +243,80 @@ def _hash_module(h, model: torch.nn.Module) -> None:
                 attrs[attr] = configs[id(value)]
             elif isinstance(value, torch.Tensor):  # not a buffer (megatron's rotary inv_freq)
                 tensors.append((f"{attr} (attribute)", value))
-        hooks = [_qualname(f) for d in (module._forward_pre_hooks, module._forward_hooks)
-                 for f in d.values()]
+            elif callable(value) and not isinstance(value, (type, torch.nn.Module)):
+                attrs[attr] = _callable_text(value, tree)  # e.g. exact.py's own forward
+        hooks = [_callable_text(f, tree) for d in (module._forward_pre_hooks,
+                                                   module._forward_hooks) for f in d.values()]
         h.update(json.dumps([name, type(module).__qualname__, attrs, hooks],
                             sort_keys=True, default=repr).encode())
         for pname, t in [*module.named_parameters(recurse=False),
                          *module.named_buffers(recurse=False), *tensors]:
             _hash_tensor(h, pname, t)
+    from torch.nn.modules import module as nn_module  # process-wide module hooks
+
+    glob = [_callable_text(f, tree) for d in (nn_module._global_forward_pre_hooks,
+                                              nn_module._global_forward_hooks)
+            for f in d.values()]
+    h.update(json.dumps(glob).encode())
+
+
+def _callable_text(f, tree: set[int], depth: int = 0) -> str:
+    """What a hook or an instance's own method computes with: its qualified name, a partial's
+    arguments, a closure's cells and defaults, a bound method's object (a module of the model is
+    hashed with the model). ValueError when something in it cannot be digested (the pass is then
+    computed, never memoised)."""
+    if depth > 4:
+        raise ValueError("callable nested too deeply to digest")
+    if isinstance(f, functools.partial):
+        return (f"partial({_callable_text(f.func, tree, depth + 1)}; "
+                f"{_value_text(list(f.args), tree, depth)}; "
+                f"{_value_text(dict(f.keywords), tree, depth)})")
+    func = getattr(f, "__func__", f)
+    parts = [_qualname(func)]
+    owner = getattr(f, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        parts.append(_value_text(owner, tree, depth) if isinstance(owner, torch.nn.Module)
+                     else _object_text(owner))
+    cells = getattr(func, "__closure__", None) or ()
+    parts += [_value_text(c.cell_contents, tree, depth) for c in cells]
+    parts.append(_value_text(list(getattr(func, "__defaults__", None) or ()), tree, depth))
+    return "|".join(parts)
+
+
+def _value_text(v, tree: set[int], depth: int) -> str:
+    if isinstance(v, _PLAIN):
+        return repr(v)
+    if isinstance(v, (torch.dtype, torch.device)):
+        return str(v)
+    if isinstance(v, torch.Tensor):
+        h = hashlib.sha256()
+        _hash_tensor(h, "", v)
+        return f"tensor:{h.hexdigest()}"
+    if isinstance(v, torch.nn.Module):
+        if id(v) not in tree:
+            raise ValueError("a callable refers to a module outside the model")
+        return f"module:{type(v).__qualname__}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value_text(x, tree, depth) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k!r}:{_value_text(x, tree, depth)}"
+                              for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if callable(v):
+        return _callable_text(v, tree, depth + 1)
+    raise ValueError(f"cannot digest a {type(v).__qualname__} captured by a callable")
+
+
+def _object_text(obj) -> str:
+    """A bound method's object that is not a module (FSDP2's per-module state, whose hooks cast
+    to its mixed-precision policy): its type and its dataclass-valued attributes (the policies).
+    Not its plain attributes: there they are lazy-initialisation bookkeeping (FSDP sets
+    ``_is_root`` in the first forward), which would keep a fresh model from matching one that
+    has run a pass."""
+    parts = [type(obj).__qualname__]
+    for attr, value in sorted(vars(obj).items()) if hasattr(obj, "__dict__") else ():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            parts.append(f"{attr}={_config_digest(value)}")
+    return "|".join(parts)
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

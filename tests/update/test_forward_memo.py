@@ -9,7 +9,9 @@ The expected values are always a fresh computation with nothing memoised (outsid
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import types
 
 import pytest
 import torch
@@ -106,6 +108,44 @@ def _tensor_attribute(ctx, batch, cfg):
     ctx.model.model.norm.scale.mul_(1.5)
 
 
+def _factor_hook(factor):
+    return lambda module, args, out: out * factor
+
+
+def _scale(module, args, out, factor):
+    return out * factor
+
+
+def _closure_value(ctx, batch, cfg):  # the same hook function, another captured value
+    mlp = ctx.model.model.layers[0].mlp
+    mlp._forward_hooks.clear()
+    mlp.register_forward_hook(_factor_hook(1.5))
+
+
+def _partial_value(ctx, batch, cfg):
+    mlp = ctx.model.model.layers[1].mlp
+    mlp._forward_hooks.clear()
+    mlp.register_forward_hook(functools.partial(_scale, factor=1.5))
+
+
+def _instance_forward(ctx, batch, cfg):  # what rlaudit/model/exact.py does to each RMSNorm
+    norm = ctx.model.model.layers[0].post_attention_layernorm
+    plain = type(norm).forward
+    norm.forward = types.MethodType(lambda self, x: plain(self, x) * 1.5, norm)
+
+
+def _global_hook(ctx, batch, cfg):
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: out * 1.5 if module is ctx.model.model.norm else out)
+    _CLEANUP.append(handle.remove)
+
+
+def _matmul_precision(ctx, batch, cfg):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    _CLEANUP.append(lambda: torch.set_float32_matmul_precision(before))
+
+
 def _train_mode(ctx, batch, cfg):
     ctx.model.train()
 
@@ -128,11 +168,18 @@ def _threads(ctx, batch, cfg):
     torch.set_num_threads(torch.get_num_threads() + 1)
 
 
+_CLEANUP: list = []  # process-wide changes a case makes, undone after it
+
+
 #: (what changes, whether the log-probs must change with it)
 CHANGES = {"parameter": (_bump_param, True), "buffer": (_bump_buffer, True),
            "rmsnorm epsilon": (_eps, True), "attention scaling": (_scaling, True),
            "config": (_config, False), "forward hook": (_hook, True),
            "tensor attribute": (_tensor_attribute, True),
+           "value a hook closes over": (_closure_value, True),
+           "a hook partial's argument": (_partial_value, True),
+           "instance forward": (_instance_forward, True), "global hook": (_global_hook, True),
+           "float32 matmul precision": (_matmul_precision, False),
            "train mode": (_train_mode, False), "context pad id": (_pad_id, False),
            "one token": (_token, True), "micro-batch size": (_micro, False),
            "thread count": (_threads, False)}
@@ -145,6 +192,8 @@ def test_whatever_a_forward_reads_is_in_the_key(change, batch):
     norm = ctx.model.model.norm
     norm.scale = torch.ones((), dtype=torch.float64)  # read by the hook, for "tensor attribute"
     norm.register_forward_hook(lambda module, args, out: out * module.scale)
+    ctx.model.model.layers[0].mlp.register_forward_hook(_factor_hook(1.0))
+    ctx.model.model.layers[1].mlp.register_forward_hook(functools.partial(_scale, factor=1.0))
     threads = torch.get_num_threads()
     try:
         with forward_memo.scope("cpu"):
@@ -157,6 +206,8 @@ def test_whatever_a_forward_reads_is_in_the_key(change, batch):
         want = _fresh(ctx, b2, cfg2)
     finally:
         torch.set_num_threads(threads)
+        while _CLEANUP:
+            _CLEANUP.pop()()
     assert torch.equal(got[0], want[0])
     if changes_output:  # the change is one the answer depends on: the test can see a stale hit
         assert not torch.equal(want[0], original[0])
@@ -337,3 +388,46 @@ def test_replays_are_the_same_with_the_memo_on_and_off(backend, layout, fault, b
     # the fault really changed its variant's forward-only passes (else this proves nothing)
     assert not torch.equal(on["kl-in-reward"].tokens["probe_log_probs"],
                            on["base"].tokens["probe_log_probs"])
+
+
+def _mixed_precision_roles(info):
+    """One FSDP2 rank: the same weights wrapped with a bf16 compute policy and without one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    batch, cfg = load_rollout(ROLLOUT), _cfg()
+
+    def wrap_with(policy):
+        def wrap(model):
+            kw = {"mesh": mesh} | ({"mp_policy": policy} if policy else {})
+            for layer in model.model.layers:
+                fully_shard(layer, **kw)
+            return fully_shard(model, **kw)
+        return wrap
+
+    def roles(policy):
+        return torch_roles(MODEL, Variant("v", cfg, batch, steps=1), dtype="float32",
+                           device="cpu", wrap=wrap_with(policy), distributed=True).actor
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mixed, full = roles(bf16), roles(None)
+    with forward_memo.scope("cpu"):
+        compute_log_probs(mixed, batch, cfg)
+        before = _counts()
+        got = compute_log_probs(full, batch, cfg)[0]
+        hits = _delta(before)["hits"]
+    return {"hits": hits, "got": got, "fresh": compute_log_probs(full, batch, cfg)[0],
+            "mixed": compute_log_probs(mixed, batch, cfg)[0]}
+
+
+@pytest.mark.slow
+def test_an_fsdp_mixed_precision_policy_is_in_the_key():
+    """FSDP2 keeps the policy in its per-module state, read by its forward hooks: a model
+    wrapped without it must not be answered by the bf16 one's pass (same weights)."""
+    from rlaudit.backends.launch import launch
+
+    (out,) = launch(_mixed_precision_roles, 1, timeout=300)
+    assert out["hits"] == 0
+    assert torch.equal(out["got"], out["fresh"])
+    assert not torch.equal(out["fresh"], out["mixed"])
