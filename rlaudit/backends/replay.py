@@ -7,6 +7,7 @@ contexts); this module never knows how a model is sharded.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -44,10 +45,9 @@ def _flat(params: dict) -> torch.Tensor | None:
 
 def replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
                    record_params: bool = True) -> VariantRun:
-    if getattr(variant, "probe", None) is not None:  # its recorder sees every pass it makes
-        with forward_memo.paused():
-            return _replay_variant(make_roles, variant, record_params=record_params)
-    return _replay_variant(make_roles, variant, record_params=record_params)
+    probing = getattr(variant, "probe", None) is not None  # its recorder must see every pass
+    with forward_memo.paused() if probing else contextlib.nullcontext():
+        return _replay_variant(make_roles, variant, record_params=record_params)
 
 
 def _replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,

@@ -146,10 +146,9 @@ def _rng_states() -> list[torch.Tensor]:
     regions draws from the tracker, which restores the default generator afterwards)."""
     states = [torch.get_rng_state()]
     tracker = sys.modules.get("megatron.core.tensor_parallel.random")
-    if tracker is not None:
-        for _, state in sorted(tracker.get_cuda_rng_tracker().get_states().items()):
-            states.append(state.clone() if isinstance(state, torch.Tensor)
-                          else torch.tensor(list(bytes(repr(state), "utf8")), dtype=torch.uint8))
+    if tracker is not None:  # CPU generator states (rlaudit/backends/megatron/compat.py)
+        tracked = tracker.get_cuda_rng_tracker().get_states()
+        states += [tracked[name] for name in sorted(tracked)]
     return states
 
 
@@ -234,7 +233,8 @@ def _hash_module(h, model: torch.nn.Module) -> None:
     tree = {id(m) for m in model.modules()}
     for name, module in model.named_modules(remove_duplicate=False):
         attrs = {k: v for k, v in _plain_attrs(module).items() if k not in _SET_BY_EVERY_PASS}
-        tensors = []
+        tensors = dict([*module.named_parameters(recurse=False),
+                        *module.named_buffers(recurse=False)])
         for attr, value in sorted(vars(module).items()):
             if hasattr(value, "to_json_string") or (dataclasses.is_dataclass(value)
                                                      and not isinstance(value, type)):
@@ -242,16 +242,15 @@ def _hash_module(h, model: torch.nn.Module) -> None:
                     configs[id(value)] = _config_digest(value)
                 attrs[attr] = configs[id(value)]
             elif isinstance(value, torch.Tensor):  # not a buffer (megatron's rotary inv_freq)
-                tensors.append((f"{attr} (attribute)", value))
+                tensors[f"{attr} (attribute)"] = value
             elif callable(value) and not isinstance(value, (type, torch.nn.Module)):
                 attrs[attr] = _callable_text(value, tree)  # e.g. exact.py's own forward
         hooks = [_callable_text(f, tree) for d in (module._forward_pre_hooks,
                                                    module._forward_hooks) for f in d.values()]
-        h.update(json.dumps([name, type(module).__qualname__, attrs, hooks],
+        placements = {n: repr(t.placements) for n, t in tensors.items() if _is_dtensor(t)}
+        h.update(json.dumps([name, type(module).__qualname__, attrs, hooks, placements],
                             sort_keys=True, default=repr).encode())
-        for pname, t in [*module.named_parameters(recurse=False),
-                         *module.named_buffers(recurse=False), *tensors]:
-            _hash_tensor(h, pname, t)
+        h.update(_tensors_digest(tensors).encode())
     from torch.nn.modules import module as nn_module  # process-wide module hooks
 
     glob = [_callable_text(f, tree) for d in (nn_module._global_forward_pre_hooks,
@@ -289,9 +288,7 @@ def _value_text(v, tree: set[int], depth: int) -> str:
     if isinstance(v, (torch.dtype, torch.device)):
         return str(v)
     if isinstance(v, torch.Tensor):
-        h = hashlib.sha256()
-        _hash_tensor(h, "", v)
-        return f"tensor:{h.hexdigest()}"
+        return f"tensor:{getattr(v, 'placements', '')}:{_tensors_digest({'': v})}"
     if isinstance(v, torch.nn.Module):
         if id(v) not in tree:
             raise ValueError("a callable refers to a module outside the model")
@@ -337,13 +334,13 @@ def _qualname(f) -> str:
     return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
 
 
-def _hash_tensor(h, name: str, t: torch.Tensor) -> None:
-    if hasattr(t, "to_local"):  # DTensor: this rank's shard (the agreed key covers the others)
-        h.update(repr(t.placements).encode())
-        t = t.to_local()
-    t = t.detach()
-    if t.device.type != "cpu":
-        raise ValueError("the forward memo digests CPU tensors only")
-    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    if t.numel():
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "to_local")
+
+
+def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """The project's canonical tensor hash (names, dtypes, shapes, bytes) of this rank's part:
+    a DTensor's local shard (its placements go in the key beside it; the agreed key covers the
+    other ranks' shards)."""
+    return rollout_sha256({n: (t.to_local() if _is_dtensor(t) else t).detach()
+                           for n, t in tensors.items()})

@@ -69,8 +69,12 @@ def test_a_repeated_pass_is_answered_with_the_same_bits(batch):
         first = compute_log_probs(ctx, batch, cfg, calc_entropy=True)
         first[0].add_(1.0)  # a caller that changes what it got does not change the memo
         second = compute_log_probs(ctx, batch, cfg, calc_entropy=True)
-    assert _delta(before) == {"hits": 1, "misses": 1, "not_stored": 0}
-    assert torch.equal(second[0], want[0]) and torch.equal(second[1], want[1])
+        second_copy = [t.clone() for t in second]
+        second[1].add_(1.0)  # nor one that changes an answer from the memo
+        third = compute_log_probs(ctx, batch, cfg, calc_entropy=True)
+    assert _delta(before) == {"hits": 2, "misses": 1, "not_stored": 0}
+    for got in (second_copy, third):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     # outside a scope nothing is memoised
     before = _counts()
     _fresh(ctx, batch, cfg, calc_entropy=True)
@@ -227,6 +231,44 @@ def test_a_pass_that_draws_random_numbers_is_never_stored(batch):
     want_a, want_b = _fresh(ctx, batch, cfg), _fresh(ctx, batch, cfg)
     assert torch.equal(a[0], want_a[0]) and torch.equal(b[0], want_b[0])
     assert not torch.equal(a[0], b[0])
+
+
+def _tracked_noise(module, args, out):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    with get_cuda_rng_tracker().fork("memo-test"):
+        return out + 1e-3 * torch.rand_like(out)
+
+
+def test_a_pass_drawing_from_megatrons_rng_tracker_is_never_stored(batch):
+    """Dropout inside megatron's tensor-parallel regions draws from its RNG tracker, whose fork
+    (CPU patch) restores the default generator afterwards: the pass must still count as random."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from rlaudit.backends.megatron import compat
+
+    compat.apply_cpu_patches()
+    tracker = get_cuda_rng_tracker()
+    saved = (dict(tracker.states_), set(tracker.seeds_))
+    tracker.reset()
+    tracker.add("memo-test", 7)
+
+    ctx, cfg = _actor(batch), _cfg()
+    ctx.model.model.norm.register_forward_hook(_tracked_noise)
+    try:
+        before = _counts()
+        with forward_memo.scope("cpu"):
+            default = torch.get_rng_state()
+            a = compute_log_probs(ctx, batch, cfg)
+            assert torch.equal(torch.get_rng_state(), default)  # the tracker hid the draws
+            b = compute_log_probs(ctx, batch, cfg)
+        assert _delta(before) == {"hits": 0, "misses": 0, "not_stored": 2}
+        assert not torch.equal(a[0], b[0])
+    finally:
+        tracker.reset()
+        tracker.states_.update(saved[0])
+        tracker.seeds_.update(saved[1])
 
 
 def test_scopes_that_do_not_memoise(batch, monkeypatch):
