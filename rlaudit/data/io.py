@@ -53,26 +53,32 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _field_record(name: str, t: torch.Tensor) -> tuple[bytes, bytes]:
-    """(header line, raw bytes) of one field in the canonical hash stream."""
+def _field_record(name: str, t: torch.Tensor) -> tuple[bytes, memoryview]:
+    """(header line, raw bytes) of one field in the canonical hash stream (the bytes are a view of
+    the tensor's CPU copy, not a copy of their own)."""
     t = t.detach().to("cpu").contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    header = json.dumps([name, _dtype_name(t.dtype), list(t.shape), len(raw)]) + "\n"
+    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+    header = json.dumps([name, _dtype_name(t.dtype), list(t.shape), raw.nbytes]) + "\n"
     return header.encode("utf-8"), raw
 
 
-def _hashes(tensors: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, str]]:
-    """(sha256 over all fields, {name: sha256 of that field's record})."""
+def _hashes(tensors: Mapping[str, torch.Tensor], *, per_field: bool = True
+            ) -> tuple[str, dict[str, str]]:
+    """(sha256 over all fields, {name: sha256 of that field's record}; empty unless
+    ``per_field``)."""
     if sys.byteorder != "little":  # the raw bytes are defined as little-endian
         raise RuntimeError("rollout hashing needs a little-endian machine")
     total = hashlib.sha256()
-    per_field = {}
+    fields = {}
     for name in sorted(tensors):
         header, raw = _field_record(name, tensors[name])
         total.update(header)
         total.update(raw)
-        per_field[name] = hashlib.sha256(header + raw).hexdigest()
-    return total.hexdigest(), per_field
+        if per_field:
+            one = hashlib.sha256(header)
+            one.update(raw)
+            fields[name] = one.hexdigest()
+    return total.hexdigest(), fields
 
 
 def rollout_sha256(rollout: str | os.PathLike | RolloutBatch | Mapping[str, torch.Tensor]) -> str:
@@ -83,10 +89,10 @@ def rollout_sha256(rollout: str | os.PathLike | RolloutBatch | Mapping[str, torc
     file it was saved to hash the same.
     """
     if isinstance(rollout, RolloutBatch):
-        return _hashes(rollout.tensors)[0]
+        return _hashes(rollout.tensors, per_field=False)[0]
     if isinstance(rollout, Mapping):
-        return _hashes(rollout)[0]
-    return _hashes(_read_tensors(Path(rollout)))[0]
+        return _hashes(rollout, per_field=False)[0]
+    return _hashes(_read_tensors(Path(rollout)), per_field=False)[0]
 
 
 def _atomic_write(path: Path, data: bytes) -> Path:

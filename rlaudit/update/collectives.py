@@ -6,6 +6,7 @@ Both return new tensors (inputs are never reduced in place) and are no-ops (copi
 from __future__ import annotations
 
 import math
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,34 @@ def all_gather_rows(t: torch.Tensor, *, group, size: int, device) -> list[torch.
     bufs = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(bufs, padded, group=group)
     return [b[: int(s.item())] for b, s in zip(bufs, sizes)]
+
+
+def all_gather_tensor_dicts(meta, tensors: dict[str, torch.Tensor], *, group, size: int,
+                            device) -> list[tuple[object, dict[str, torch.Tensor]]]:
+    """Every rank's ``(meta, tensors)`` in rank order, the tensors as CPU copies (bit for bit).
+
+    What ``all_gather_object`` does with a dict of tensors, without pickling them: torch's
+    tensor pickling made that 30 ms a call for a test model's state dict. Here the names, dtypes
+    and shapes (and ``meta``, a small picklable value) are pickled and the tensors' raw bytes
+    follow, all in one byte vector a rank; two collectives (:func:`all_gather_rows`)."""
+    header = pickle.dumps((meta, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]))
+    parts = [torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8),
+             torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+    parts += [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+              for t in tensors.values()]
+    every = all_gather_rows(torch.cat(parts), group=group, size=size, device=device)
+    out = []
+    for flat in every:
+        flat = flat.to("cpu")
+        n = int(flat[:8].clone().view(torch.int64))
+        their_meta, layout = pickle.loads(flat[8:8 + n].numpy().tobytes())
+        at, theirs = 8 + n, {}
+        for name, dtype, shape in layout:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            theirs[name] = flat[at:at + nbytes].clone().view(dtype).reshape(shape)
+            at += nbytes
+        out.append((their_meta, theirs))
+    return out
 
 
 def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

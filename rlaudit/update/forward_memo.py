@@ -231,10 +231,12 @@ def _plain_attrs(obj) -> dict:
 def _hash_module(h, model: torch.nn.Module) -> None:
     configs: dict[int, str] = {}  # id -> digest of the config's contents (shared objects)
     tree = {id(m) for m in model.modules()}
+    tensors: dict[str, torch.Tensor] = {}  # every module's, hashed in one stream at the end
+    modules = []
     for name, module in model.named_modules(remove_duplicate=False):
         attrs = {k: v for k, v in _plain_attrs(module).items() if k not in _SET_BY_EVERY_PASS}
-        tensors = dict([*module.named_parameters(recurse=False),
-                        *module.named_buffers(recurse=False)])
+        own = dict([*module.named_parameters(recurse=False),
+                    *module.named_buffers(recurse=False)])
         for attr, value in sorted(vars(module).items()):
             if hasattr(value, "to_json_string") or (dataclasses.is_dataclass(value)
                                                      and not isinstance(value, type)):
@@ -242,21 +244,21 @@ def _hash_module(h, model: torch.nn.Module) -> None:
                     configs[id(value)] = _config_digest(value)
                 attrs[attr] = configs[id(value)]
             elif isinstance(value, torch.Tensor):  # not a buffer (megatron's rotary inv_freq)
-                tensors[f"{attr} (attribute)"] = value
+                own[f"{attr} (attribute)"] = value
             elif callable(value) and not isinstance(value, (type, torch.nn.Module)):
                 attrs[attr] = _callable_text(value, tree)  # e.g. exact.py's own forward
         hooks = [_callable_text(f, tree) for d in (module._forward_pre_hooks,
                                                    module._forward_hooks) for f in d.values()]
-        placements = {n: repr(t.placements) for n, t in tensors.items() if _is_dtensor(t)}
-        h.update(json.dumps([name, type(module).__qualname__, attrs, hooks, placements],
-                            sort_keys=True, default=repr).encode())
-        h.update(_tensors_digest(tensors).encode())
+        placements = {n: repr(t.placements) for n, t in own.items() if _is_dtensor(t)}
+        modules.append([name, type(module).__qualname__, attrs, hooks, placements, sorted(own)])
+        tensors.update({f"{name}|{n}": t for n, t in own.items()})
     from torch.nn.modules import module as nn_module  # process-wide module hooks
 
     glob = [_callable_text(f, tree) for d in (nn_module._global_forward_pre_hooks,
                                               nn_module._global_forward_hooks)
             for f in d.values()]
-    h.update(json.dumps(glob).encode())
+    h.update(json.dumps([modules, glob], sort_keys=True, default=repr).encode())
+    h.update(_tensors_digest(tensors).encode())
 
 
 def _callable_text(f, tree: set[int], depth: int = 0) -> str:
@@ -320,13 +322,16 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _config_digest(cfg) -> str:
-    """A model config's contents (HF ``PretrainedConfig``, megatron's ``TransformerConfig``):
-    its plain attributes, private ones included, and its JSON or its repr without the memory
-    addresses of the functions it names (the same function in every build)."""
-    text = (cfg.to_json_string() if hasattr(cfg, "to_json_string")
-            else _ADDRESS.sub("", repr(cfg)))
-    plain = json.dumps(_plain_attrs(cfg), sort_keys=True, default=repr)
-    return hashlib.sha256(f"{type(cfg).__qualname__}|{plain}|{text}".encode()).hexdigest()
+    """A model config's contents: an HF ``PretrainedConfig``'s every attribute (private ones and
+    nested configs included; its class fixes the rest), a dataclass config's (megatron's
+    ``TransformerConfig``, FSDP2's policies) repr and other attributes -- without the memory
+    addresses of the functions they name (the same function in every build)."""
+    if hasattr(cfg, "to_json_string"):  # (its own JSON deep-copies the config: ~4 ms a call)
+        text = json.dumps(vars(cfg), sort_keys=True, default=repr)
+    else:
+        text = repr(cfg) + json.dumps(_plain_attrs(cfg), sort_keys=True, default=repr)
+    return hashlib.sha256(f"{type(cfg).__qualname__}|{_ADDRESS.sub('', text)}".encode()
+                          ).hexdigest()
 
 
 def _qualname(f) -> str:

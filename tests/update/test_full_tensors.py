@@ -55,3 +55,43 @@ def test_full_tensors_is_full_tensor_bit_for_bit_with_uneven_shards():
     r0, r1 = (o["local"] for o in outs)
     assert r0["1.weight"] == (1, 5) and r1["1.weight"] == (0, 5)  # the uneven case really ran
     assert r0["0.weight"] == (3, 4) and r1["0.weight"] == (2, 4)
+
+
+def _rank_tensors(rank: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` sends: dtypes of 1, 2, 4 and 8 bytes (so the byte offsets after a
+    header of any length are misaligned), an empty tensor, a non-contiguous one, a scalar, and
+    sizes and names that differ between ranks."""
+    g = torch.Generator().manual_seed(10 + rank)
+    wide = torch.randn(4, 3 + rank, generator=g, dtype=torch.float64)
+    return {"w": torch.randn(2 + rank, 3, generator=g, dtype=torch.float64),
+            "bf": torch.randn(5, generator=g).to(torch.bfloat16),
+            "mask": torch.rand(3, 2, generator=g) > 0.5,
+            "ids": torch.randint(-9, 9, (rank + 1,), generator=g, dtype=torch.int64),
+            "f32": torch.randn(3, generator=g, dtype=torch.float32),
+            "empty": torch.zeros(0, 4),
+            "strided": wide.t(),
+            "scalar": torch.tensor(float(rank) - 0.5, dtype=torch.float64),
+            f"only_on_{rank}": torch.full((rank + 2,), rank, dtype=torch.int32)}
+
+
+def _gather_dicts(info):
+    from rlaudit.update.collectives import all_gather_tensor_dicts
+
+    mine = _rank_tensors(info.rank)
+    return all_gather_tensor_dicts(("rank", info.rank, [1.5]), mine, group=None,
+                                   size=info.world_size, device=torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_all_gather_tensor_dicts_brings_every_ranks_tensors_bit_for_bit():
+    outs = launch(_gather_dicts, 2, timeout=300)
+    for out in outs:  # every rank gets every rank's dict, in rank order
+        assert [meta for meta, _ in out] == [("rank", 0, [1.5]), ("rank", 1, [1.5])]
+        for rank, (_, got) in enumerate(out):
+            sent = _rank_tensors(rank)
+            assert list(got) == list(sent)
+            for name, t in sent.items():
+                g = got[name]
+                assert g.dtype == t.dtype and g.shape == t.shape, name
+                assert torch.equal(g, t), name
+                assert g.is_contiguous()

@@ -306,17 +306,20 @@ def gather_hf_state_dict(model: torch.nn.Module, hf_config: Any, *,
     Every rank of the TP x PP group must call it. Each data-parallel replica gathers its own copy.
     ``tensors``: gather these instead of the parameters, keyed by local megatron parameter name
     (e.g. ``{n: p.main_grad for n, p in ...}`` to compare gradients under HF names).
-    Tensors travel as CPU copies through ``all_gather_object`` (fine for test-sized models).
+    Tensors travel as raw bytes (:func:`~rlaudit.update.collectives.all_gather_tensor_dicts`);
+    the result holds CPU copies.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    local = (local_state_dict(model) if tensors is None
-             else {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()})
-    mine = ((ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()), local)
+    from rlaudit.update.collectives import all_gather_tensor_dicts
+
+    local = (dict(_unwrap(model).named_parameters()) if tensors is None else dict(tensors))
+    device = next(iter(local.values())).device if local else torch.device("cpu")
     group = ps.get_model_parallel_group()
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    where = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    gathered = all_gather_tensor_dicts(where, local, group=group,
+                                       size=dist.get_world_size(group), device=device)
     return megatron_to_hf(dict(gathered), hf_config,
                           tp_size=ps.get_tensor_model_parallel_world_size(),
                           pp_size=ps.get_pipeline_model_parallel_world_size())
