@@ -46,7 +46,7 @@ def torch_roles(model_path: str, variant: Variant, *, dtype: str, device: str,
     cfg = variant.config
     dev = torch.device(device)
     pad = _pad_id(model_path)
-    base = _load_cached(model_path, dtype, device)
+    base = _cached_model(model_path, dtype, device)  # every role below is a copy of it
     actor_model = wrap(copy.deepcopy(base))
     actor = TorchContext(actor_model, build_optimizer(actor_model.parameters(), cfg.actor.optim),
                          device=dev, distributed=distributed, group=group, pad_id=pad)
