@@ -22,6 +22,14 @@ from rlaudit.update.step import Roles, needs_ref
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
+#: Requests with fewer variants than this compute every forward-only pass here. In one process a
+#: pass costs about twice its memo key (qwen2-tiny, float64: ~12 vs ~5.5 ms, cProfile), so the
+#: memo pays when more than about half the passes repeat -- as across a scenario's variants
+#: (kl_k1: 31 of 47), not within the one or two variants of a target's or fuzzer's request (58
+#: repeats in 544 passes of the toy trainer's run-level fuzz: the keys cost 3.3 of its 51 s).
+#: The multi-rank backends always memoise: there a pass also waits on its collectives.
+FORWARD_MEMO_MIN_VARIANTS = 3
+
 
 @functools.lru_cache(maxsize=4)
 def _cached_model(model_path: str, dtype: str, device: str):
@@ -77,7 +85,8 @@ class ReferenceBackend:
         out = {}
         wrap = (functools.partial(perturb_weights, rel=request.weight_noise)
                 if request.weight_noise else (lambda module: module))
-        with forward_memo.scope(request.device, request.forward_memo):
+        enabled = request.forward_memo and len(request.variants) >= FORWARD_MEMO_MIN_VARIANTS
+        with forward_memo.scope(request.device, enabled):
             for variant in request.variants:
                 k = memo.key(request, variant)
                 run = memo.lookup(k)
