@@ -327,11 +327,12 @@ def _config_digest(cfg) -> str:
     ``TransformerConfig``, FSDP2's policies) repr and other attributes -- without the memory
     addresses of the functions they name (the same function in every build)."""
     if hasattr(cfg, "to_json_string"):  # (its own JSON deep-copies the config: ~4 ms a call)
+        # addresses kept: an object in an HF config that shows one never matches another
         text = json.dumps(vars(cfg), sort_keys=True, default=repr)
     else:
-        text = repr(cfg) + json.dumps(_plain_attrs(cfg), sort_keys=True, default=repr)
-    return hashlib.sha256(f"{type(cfg).__qualname__}|{_ADDRESS.sub('', text)}".encode()
-                          ).hexdigest()
+        text = _ADDRESS.sub("", repr(cfg)) + json.dumps(_plain_attrs(cfg), sort_keys=True,
+                                                         default=repr)
+    return hashlib.sha256(f"{type(cfg).__qualname__}|{text}".encode()).hexdigest()
 
 
 def _qualname(f) -> str:
