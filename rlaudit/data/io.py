@@ -56,6 +56,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _field_record(name: str, t: torch.Tensor) -> tuple[bytes, memoryview]:
     """(header line, raw bytes) of one field in the canonical hash stream (the bytes are a view of
     the tensor's CPU copy, not a copy of their own)."""
+    if t.is_quantized:  # its bytes leave out the scale and zero point
+        raise ValueError(f"{name}: a quantized tensor has no canonical hash")
     t = t.detach().to("cpu").contiguous()
     raw = memoryview(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     header = json.dumps([name, _dtype_name(t.dtype), list(t.shape), raw.nbytes]) + "\n"

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import hashlib
 import json
 import os
-import re
 import sys
 import threading
 import types
@@ -241,17 +241,19 @@ def _hash_module(h, model: torch.nn.Module) -> None:
             if hasattr(value, "to_json_string") or (dataclasses.is_dataclass(value)
                                                      and not isinstance(value, type)):
                 if id(value) not in configs:
-                    configs[id(value)] = _config_digest(value)
+                    configs[id(value)] = _config_digest(value, tree)
                 attrs[attr] = configs[id(value)]
             elif isinstance(value, torch.Tensor):  # not a buffer (megatron's rotary inv_freq)
                 own[f"{attr} (attribute)"] = value
             elif callable(value) and not isinstance(value, (type, torch.nn.Module)):
                 attrs[attr] = _callable_text(value, tree)  # e.g. exact.py's own forward
+            elif isinstance(value, torch.ScriptObject):  # e.g. quantize_dynamic's packed weights
+                raise ValueError(f"cannot digest {attr}: a {type(value).__qualname__}")
         hooks = [_callable_text(f, tree) for d in (module._forward_pre_hooks,
                                                    module._forward_hooks) for f in d.values()]
         placements = {n: repr(t.placements) for n, t in own.items() if _is_dtensor(t)}
         modules.append([name, type(module).__qualname__, attrs, hooks, placements, sorted(own)])
-        tensors.update({f"{name}|{n}": t for n, t in own.items()})
+        tensors.update({json.dumps([name, n]): t for n, t in own.items()})
     from torch.nn.modules import module as nn_module  # process-wide module hooks
 
     glob = [_callable_text(f, tree) for d in (nn_module._global_forward_pre_hooks,
@@ -318,21 +320,41 @@ def _object_text(obj) -> str:
     return "|".join(parts)
 
 
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _config_digest(cfg) -> str:
+def _config_digest(cfg, tree: frozenset | set = frozenset()) -> str:
     """A model config's contents: an HF ``PretrainedConfig``'s every attribute (private ones and
-    nested configs included; its class fixes the rest), a dataclass config's (megatron's
-    ``TransformerConfig``, FSDP2's policies) repr and other attributes -- without the memory
-    addresses of the functions they name (the same function in every build)."""
+    nested configs included; its class fixes the rest), a dataclass config's fields (megatron's
+    ``TransformerConfig``, FSDP2's policies) and other plain attributes. Values JSON cannot hold
+    are digested by what they are (:func:`_config_value`), never by how they print: a tensor
+    prints rounded, an object its address, which a later object may reuse."""
+    def encode(value):
+        return _config_value(value, tree)
+
     if hasattr(cfg, "to_json_string"):  # (its own JSON deep-copies the config: ~4 ms a call)
-        # addresses kept: an object in an HF config that shows one never matches another
-        text = json.dumps(vars(cfg), sort_keys=True, default=repr)
+        text = json.dumps(vars(cfg), sort_keys=True, default=encode)
     else:
-        text = _ADDRESS.sub("", repr(cfg)) + json.dumps(_plain_attrs(cfg), sort_keys=True,
-                                                         default=repr)
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        text = json.dumps([fields, _plain_attrs(cfg)], sort_keys=True, default=encode)
     return hashlib.sha256(f"{type(cfg).__qualname__}|{text}".encode()).hexdigest()
+
+
+def _config_value(v, tree) -> str:
+    if isinstance(v, (torch.dtype, torch.device)):
+        return str(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__qualname__}.{v.name}={v.value!r}"
+    if isinstance(v, torch.Tensor):
+        return _value_text(v, tree, 0)
+    if isinstance(v, type):  # megatron's module specs name classes: their code is the build's
+        return f"class:{v.__module__}.{v.__qualname__}"
+    if isinstance(v, dist.ProcessGroup):  # megatron's pg_collection: who a collective spans
+        return f"ProcessGroup{dist.get_process_group_ranks(v)}:{dist.get_backend(v)}"
+    if hasattr(v, "to_json_string") or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
+        return _config_digest(v, tree)
+    if callable(v):
+        return _callable_text(v, tree)  # a closure's values, a partial's arguments, ...
+    raise ValueError(f"cannot digest a {type(v).__qualname__} in a config")
 
 
 def _qualname(f) -> str:
@@ -347,6 +369,9 @@ def _is_dtensor(t) -> bool:
 def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     """The project's canonical tensor hash (names, dtypes, shapes, bytes) of this rank's part:
     a DTensor's local shard (its placements go in the key beside it; the agreed key covers the
-    other ranks' shards)."""
-    return rollout_sha256({n: (t.to_local() if _is_dtensor(t) else t).detach()
-                           for n, t in tensors.items()})
+    other ranks' shards). A quantized tensor's bytes leave out its scale and zero point: refused."""
+    local = {n: (t.to_local() if _is_dtensor(t) else t).detach() for n, t in tensors.items()}
+    quantized = [n for n, t in local.items() if t.is_quantized]
+    if quantized:
+        raise ValueError(f"cannot digest quantized tensors: {quantized[:3]}")
+    return rollout_sha256(local)

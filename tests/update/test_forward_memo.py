@@ -172,6 +172,24 @@ def _threads(ctx, batch, cfg):
     torch.set_num_threads(torch.get_num_threads() + 1)
 
 
+def _config_tensor(ctx, batch, cfg):  # prints like the value set up below (4 decimals)
+    ctx.model.config.memo_probe = torch.tensor(2.00004, dtype=torch.float64)
+
+
+@dataclasses.dataclass
+class _ActConfig:  # a dataclass config holding a function, as megatron's TransformerConfig does
+    act: object
+
+
+def _dataclass_closure(ctx, batch, cfg):  # the same function, another value it closes over
+    ctx.model.model.norm.act_config = _ActConfig(_factor_hook(1.5))
+
+
+def _colliding_name(ctx, batch, cfg):  # module "s", tensor "t|w" -- beside module "s|t", "w"
+    with torch.no_grad():
+        ctx.model.s.get_parameter("t|w").mul_(0.5)
+
+
 _CLEANUP: list = []  # process-wide changes a case makes, undone after it
 
 
@@ -186,7 +204,9 @@ CHANGES = {"parameter": (_bump_param, True), "buffer": (_bump_buffer, True),
            "float32 matmul precision": (_matmul_precision, False),
            "train mode": (_train_mode, False), "context pad id": (_pad_id, False),
            "one token": (_token, True), "micro-batch size": (_micro, False),
-           "thread count": (_threads, False)}
+           "thread count": (_threads, False), "a config's tensor": (_config_tensor, False),
+           "a dataclass config's closure": (_dataclass_closure, False),
+           "tensors whose names could run together": (_colliding_name, False)}
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
@@ -198,6 +218,12 @@ def test_whatever_a_forward_reads_is_in_the_key(change, batch):
     norm.register_forward_hook(lambda module, args, out: out * module.scale)
     ctx.model.model.layers[0].mlp.register_forward_hook(_factor_hook(1.0))
     ctx.model.model.layers[1].mlp.register_forward_hook(functools.partial(_scale, factor=1.0))
+    ctx.model.config.memo_probe = torch.tensor(2.00001, dtype=torch.float64)
+    ctx.model.model.norm.act_config = _ActConfig(_factor_hook(1.0))
+    for name, tensor in (("s", "t|w"), ("s|t", "w")):
+        holder = torch.nn.Module()
+        holder.register_parameter(tensor, torch.nn.Parameter(torch.ones(2, dtype=torch.float64)))
+        ctx.model.add_module(name, holder)
     threads = torch.get_num_threads()
     try:
         with forward_memo.scope("cpu"):
@@ -215,6 +241,24 @@ def test_whatever_a_forward_reads_is_in_the_key(change, batch):
     assert torch.equal(got[0], want[0])
     if changes_output:  # the change is one the answer depends on: the test can see a stale hit
         assert not torch.equal(want[0], original[0])
+
+
+@pytest.mark.parametrize("what", ["an object in the config", "a quantized buffer"])
+def test_what_has_no_digest_is_computed_every_time(what, batch):
+    """An object known only by how it prints (its address may be a freed object's) or a
+    quantized tensor (its bytes leave out scale and zero point): never answered from the memo."""
+    ctx, cfg = _actor(batch), _cfg()
+    if what == "an object in the config":
+        ctx.model.config.thing = object()
+    else:
+        q = torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.5, 0, torch.qint8)
+        ctx.model.model.norm.register_buffer("q", q)
+    with forward_memo.scope("cpu"):
+        first = compute_log_probs(ctx, batch, cfg)
+        before = _counts()
+        again = compute_log_probs(ctx, batch, cfg)
+        assert _delta(before)["hits"] == 0
+    assert torch.equal(first[0], again[0])
 
 
 def test_a_pass_that_draws_random_numbers_is_never_stored(batch):
