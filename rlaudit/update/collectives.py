@@ -1,6 +1,6 @@
-"""Collectives over a data-parallel group, shared by every ParallelContext.
+"""Collectives over a process group, shared by every ParallelContext and backend.
 
-Both return new tensors (inputs are never reduced in place) and are no-ops (copies) on one rank.
+Each returns new tensors (inputs are never reduced in place) and is a no-op (copies) on one rank.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def all_gather_tensor_dicts(meta, tensors: dict[str, torch.Tensor], *, group, si
         their_meta, layout = pickle.loads(flat[8:8 + n].numpy().tobytes())
         at, theirs = 8 + n, {}
         for name, dtype, shape in layout:
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             theirs[name] = flat[at:at + nbytes].clone().view(dtype).reshape(shape)
             at += nbytes
         out.append((their_meta, theirs))

@@ -98,15 +98,9 @@ def scope(device, enabled: bool = True) -> Iterator[None]:
         _local.memo = before
 
 
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
+def paused():
     """Passes in this block (this thread) are computed, never answered from or added to the memo."""
-    before = getattr(_local, "memo", None)
-    _local.memo = None
-    try:
-        yield
-    finally:
-        _local.memo = before
+    return scope("cpu", enabled=False)
 
 
 def forward_rows(ctx, batch, spec, keys: tuple, plan: tuple,
@@ -197,7 +191,7 @@ def _local_key(ctx, batch, spec, keys, plan) -> bytes | None:
                 "torch": _torch_settings(),
                 "kinds": {k: str(v) for k, v in batch.kinds.items()},
                 "meta": batch.meta, "batch": rollout_sha256(batch)}
-        h.update(json.dumps(head, sort_keys=True, default=repr).encode())
+        h.update(_dumps(head).encode())
         _hash_module(h, ctx.model)
     except Exception:  # noqa: BLE001 - e.g. a nested tensor, an undigestable hook: compute it
         return None      # (a None key on any rank makes every rank compute)
@@ -238,8 +232,7 @@ def _hash_module(h, model: torch.nn.Module) -> None:
         own = dict([*module.named_parameters(recurse=False),
                     *module.named_buffers(recurse=False)])
         for attr, value in sorted(vars(module).items()):
-            if hasattr(value, "to_json_string") or (dataclasses.is_dataclass(value)
-                                                     and not isinstance(value, type)):
+            if _is_config(value):
                 if id(value) not in configs:
                     configs[id(value)] = _config_digest(value, tree)
                 attrs[attr] = configs[id(value)]
@@ -259,7 +252,7 @@ def _hash_module(h, model: torch.nn.Module) -> None:
     glob = [_callable_text(f, tree) for d in (nn_module._global_forward_pre_hooks,
                                               nn_module._global_forward_hooks)
             for f in d.values()]
-    h.update(json.dumps([modules, glob], sort_keys=True, default=repr).encode())
+    h.update(_dumps([modules, glob], tree).encode())
     h.update(_tensors_digest(tensors).encode())
 
 
@@ -286,11 +279,16 @@ def _callable_text(f, tree: set[int], depth: int = 0) -> str:
     return "|".join(parts)
 
 
-def _value_text(v, tree: set[int], depth: int) -> str:
+def _value_text(v, tree: frozenset | set = frozenset(), depth: int = 0) -> str:
+    """A value a forward may read -- captured by a hook, held by a config -- digested by what it
+    is, never by how it prints (a tensor prints rounded, an object its address, which a later
+    object may reuse); ValueError for anything else (the pass is then computed)."""
     if isinstance(v, _PLAIN):
         return repr(v)
     if isinstance(v, (torch.dtype, torch.device)):
         return str(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__qualname__}.{v.name}={v.value!r}"
     if isinstance(v, torch.Tensor):
         return f"tensor:{getattr(v, 'placements', '')}:{_tensors_digest({'': v})}"
     if isinstance(v, torch.nn.Module):
@@ -302,9 +300,20 @@ def _value_text(v, tree: set[int], depth: int) -> str:
     if isinstance(v, dict):
         return "{" + ",".join(f"{k!r}:{_value_text(x, tree, depth)}"
                               for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(v, type):  # megatron's module specs name classes: their code is the build's
+        return f"class:{v.__module__}.{v.__qualname__}"
+    if isinstance(v, dist.ProcessGroup):  # megatron's pg_collection: who a collective spans
+        return f"ProcessGroup{dist.get_process_group_ranks(v)}:{dist.get_backend(v)}"
+    if _is_config(v):
+        return _config_digest(v, tree)
     if callable(v):
         return _callable_text(v, tree, depth + 1)
-    raise ValueError(f"cannot digest a {type(v).__qualname__} captured by a callable")
+    raise ValueError(f"cannot digest a {type(v).__qualname__}")
+
+
+def _dumps(obj, tree: frozenset | set = frozenset()) -> str:
+    """JSON of ``obj`` with every value JSON cannot hold digested by :func:`_value_text`."""
+    return json.dumps(obj, sort_keys=True, default=lambda v: _value_text(v, tree))
 
 
 def _object_text(obj) -> str:
@@ -320,41 +329,22 @@ def _object_text(obj) -> str:
     return "|".join(parts)
 
 
+def _is_config(v) -> bool:
+    """An HF ``PretrainedConfig`` or a dataclass instance (megatron's, FSDP2's policies)."""
+    return hasattr(v, "to_json_string") or (dataclasses.is_dataclass(v)
+                                             and not isinstance(v, type))
 
 
 def _config_digest(cfg, tree: frozenset | set = frozenset()) -> str:
     """A model config's contents: an HF ``PretrainedConfig``'s every attribute (private ones and
     nested configs included; its class fixes the rest), a dataclass config's fields (megatron's
-    ``TransformerConfig``, FSDP2's policies) and other plain attributes. Values JSON cannot hold
-    are digested by what they are (:func:`_config_value`), never by how they print: a tensor
-    prints rounded, an object its address, which a later object may reuse."""
-    def encode(value):
-        return _config_value(value, tree)
-
+    ``TransformerConfig``, FSDP2's policies) and other plain attributes."""
     if hasattr(cfg, "to_json_string"):  # (its own JSON deep-copies the config: ~4 ms a call)
-        text = json.dumps(vars(cfg), sort_keys=True, default=encode)
+        text = _dumps(vars(cfg), tree)
     else:
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        text = json.dumps([fields, _plain_attrs(cfg)], sort_keys=True, default=encode)
+        text = _dumps([fields, _plain_attrs(cfg)], tree)
     return hashlib.sha256(f"{type(cfg).__qualname__}|{text}".encode()).hexdigest()
-
-
-def _config_value(v, tree) -> str:
-    if isinstance(v, (torch.dtype, torch.device)):
-        return str(v)
-    if isinstance(v, enum.Enum):
-        return f"{type(v).__qualname__}.{v.name}={v.value!r}"
-    if isinstance(v, torch.Tensor):
-        return _value_text(v, tree, 0)
-    if isinstance(v, type):  # megatron's module specs name classes: their code is the build's
-        return f"class:{v.__module__}.{v.__qualname__}"
-    if isinstance(v, dist.ProcessGroup):  # megatron's pg_collection: who a collective spans
-        return f"ProcessGroup{dist.get_process_group_ranks(v)}:{dist.get_backend(v)}"
-    if hasattr(v, "to_json_string") or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
-        return _config_digest(v, tree)
-    if callable(v):
-        return _callable_text(v, tree)  # a closure's values, a partial's arguments, ...
-    raise ValueError(f"cannot digest a {type(v).__qualname__} in a config")
 
 
 def _qualname(f) -> str:
@@ -369,9 +359,7 @@ def _is_dtensor(t) -> bool:
 def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     """The project's canonical tensor hash (names, dtypes, shapes, bytes) of this rank's part:
     a DTensor's local shard (its placements go in the key beside it; the agreed key covers the
-    other ranks' shards). A quantized tensor's bytes leave out its scale and zero point: refused."""
-    local = {n: (t.to_local() if _is_dtensor(t) else t).detach() for n, t in tensors.items()}
-    quantized = [n for n, t in local.items() if t.is_quantized]
-    if quantized:
-        raise ValueError(f"cannot digest quantized tensors: {quantized[:3]}")
-    return rollout_sha256(local)
+    other ranks' shards). It refuses a quantized tensor (its bytes leave out scale and zero
+    point): the pass is then computed."""
+    return rollout_sha256({n: (t.to_local() if _is_dtensor(t) else t).detach()
+                           for n, t in tensors.items()})

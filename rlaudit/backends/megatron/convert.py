@@ -267,11 +267,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def local_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameters: detached CPU copies under local megatron names (no extra state)."""
-    return {n: p.detach().to("cpu", copy=True) for n, p in _unwrap(model).named_parameters()}
-
-
 def load_hf_weights(model: torch.nn.Module, hf_sd: Mapping[str, torch.Tensor],
                     hf_config: Any) -> None:
     """Copy this rank's shard of ``hf_sd`` into ``model`` (strict: every parameter, no extras).
