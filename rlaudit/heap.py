@@ -11,15 +11,20 @@ walking them also writes to every page of the heap, which copy-on-write then dup
 from __future__ import annotations
 
 import gc
+import sys
 
-_frozen = False
+_frozen_at = 0  # len(sys.modules) at the last freeze
 
 
 def freeze_long_lived() -> None:
-    """Once per process: collect, then move everything alive out of the collector's sight
-    (``gc.freeze``). Objects created later are collected as usual; no result depends on it."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
+    """Collect, then move everything alive out of the collector's sight (``gc.freeze``): on the
+    first call, and again on any later call that finds modules imported since the last freeze
+    (a trainer that imports its framework in its first step -- TRL's adapter does -- gets its
+    imports frozen after that step). Any other call costs a ``len``. Objects created later are
+    collected as usual; no result depends on it."""
+    global _frozen_at
+    imported = len(sys.modules)
+    if imported > _frozen_at:
+        _frozen_at = imported
         gc.collect()
         gc.freeze()

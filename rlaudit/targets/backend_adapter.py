@@ -26,6 +26,7 @@ from rlaudit.backends.replay import RECORDED_FIELDS
 from rlaudit.config import Config
 from rlaudit.data.batch import KNOWN_FIELDS, RolloutBatch
 from rlaudit.errors import InputError
+from rlaudit.heap import freeze_long_lived
 from rlaudit.targets.adapter import TrainStepOutput, adapter_name, supports
 from rlaudit.update.plan import describe_micro
 
@@ -202,6 +203,9 @@ class AdapterBackend:
         out = self.adapter.train_step(model_path=request.model, ref_model_path=request.ref_model,
                                       batch=batch, config=variant.config,
                                       steps=variant.steps, device=request.device)
+        # what a trainer imports in its first step (TRL's adapter: TRL, accelerate, datasets)
+        # stays off the full collections its later steps ask for (rlaudit/heap.py)
+        freeze_long_lived()
         run = to_variant_run(variant, out, source=f"{self.name}.train_step",
                              model_path=request.model, dtype=request.dtype)
         run.inputs_unchanged = unchanged_since(batch, before)

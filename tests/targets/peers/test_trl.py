@@ -10,6 +10,8 @@ monkeypatching TRL, never by editing it) must each be caught by a named invarian
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 import pytest
@@ -22,8 +24,10 @@ VERSION = os.environ.get("RLAUDIT_TRL_VERSION")   # None: the installed/newest o
 
 try:
     activate("trl", VERSION)
-    import trl  # noqa: F401
-    from trl.trainer import grpo_trainer as gt
+    # found, not imported: importing TRL (and vLLM and MLflow through it) costs each pytest
+    # worker ~4.5 s at collection; the tests below import it when they run (_gt)
+    if importlib.util.find_spec("trl") is None:
+        raise ImportError("No module named 'trl'")
 except (InputError, ImportError) as e:  # pragma: no cover - depends on the machine
     pytest.skip(f"TRL is not installed (pip install --no-deps --target .peers/trl-1.16.0 -r "
                 f"requirements/peers/trl-1.16.0.txt; installed: {installed_versions('trl')}): "
@@ -35,6 +39,18 @@ from rlaudit.targets.runner import run_target  # noqa: E402
 pytestmark = pytest.mark.slow
 FAMILY = ["trl_gradacc_uneven", "trl_seq_importance"]
 BUG_SCENARIO = "trl_gradacc_uneven"
+
+
+@functools.cache
+def _gt():
+    """TRL's GRPO trainer module, imported on first use (and kept off the garbage collector's
+    full collections, as collection's imports are: rlaudit/heap.py)."""
+    from trl.trainer import grpo_trainer
+
+    from rlaudit.heap import freeze_long_lived
+
+    freeze_long_lived()
+    return grpo_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -120,29 +136,39 @@ def test_builtin_scenario_no_undeclared_failure():
 
 # ---- three bugs injected into TRL's loss path, one at a time ------------------------------------
 
-class LocalTokenNormaliser(gt.GRPOTrainer):
-    """Bug 1: the DAPO/token-mean loss normalised by the local micro-batch's token count
-    (``num_items_in_batch`` counted per micro-batch instead of over the accumulation window)."""
+@functools.cache
+def _bug_trainers() -> dict:
+    """Bugs 1 and 3 as subclasses of TRL's real GRPOTrainer (built once TRL is imported)."""
+    gt = _gt()
 
-    def _compute_loss(self, model, inputs):
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        spg, ga = self.args.steps_per_generation, self.current_gradient_accumulation_steps
-        local = mask.sum().clamp(min=1) * spg / ga   # TRL rescales by ga / spg: local count
-        return super()._compute_loss(model, dict(inputs, num_items_in_batch=local))
+    class LocalTokenNormaliser(gt.GRPOTrainer):
+        """Bug 1: the DAPO/token-mean loss normalised by the local micro-batch's token count
+        (``num_items_in_batch`` counted per micro-batch instead of over the accumulation
+        window)."""
 
+        def _compute_loss(self, model, inputs):
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            spg, ga = self.args.steps_per_generation, self.current_gradient_accumulation_steps
+            local = mask.sum().clamp(min=1) * spg / ga   # TRL rescales by ga / spg: local count
+            return super()._compute_loss(model, dict(inputs, num_items_in_batch=local))
 
-class StaleOldLogProbs(gt.GRPOTrainer):
-    """Bug 3: the old policy's log-probs dropped from the generation batch, so every iteration
-    (num_iterations = 2) uses the current forward as the old policy: ratio 1, no clipping."""
+    class StaleOldLogProbs(gt.GRPOTrainer):
+        """Bug 3: the old policy's log-probs dropped from the generation batch, so every
+        iteration (num_iterations = 2) uses the current forward as the old policy: ratio 1, no
+        clipping."""
 
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        out.pop("old_per_token_logps", None)
-        return out
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            out.pop("old_per_token_logps", None)
+            return out
+
+    return {"local-token-normaliser": LocalTokenNormaliser,
+            "stale-old-log-probs": StaleOldLogProbs}
 
 
 def _no_temperature(monkeypatch):
     """Bug 2: the rollout temperature dropped from the training forward."""
+    gt = _gt()
     if hasattr(gt, "add_fused_lm_head"):        # 1.15+: the temperature lives in the LM head
         real = gt.add_fused_lm_head
 
@@ -160,7 +186,7 @@ def _no_temperature(monkeypatch):
 
 def test_bug_local_token_normaliser_caught_by_backend_parity():
     adapter = trl_peer.TRLAdapter()
-    adapter.trainer_class = LocalTokenNormaliser
+    adapter.trainer_class = _bug_trainers()["local-token-normaliser"]
     checks = _run(adapter, [BUG_SCENARIO], ["backend-parity", "grad-norm-identity"])
     assert _status(checks, "backend-parity") == {"fail"}
     assert _params_differ(checks)                    # not only the declared metric difference
@@ -176,7 +202,7 @@ def test_bug_temperature_dropped_caught_by_rollout_parity(monkeypatch):
 
 def test_bug_stale_old_log_probs_caught_by_backend_parity():
     adapter = trl_peer.TRLAdapter()
-    adapter.trainer_class = StaleOldLogProbs
+    adapter.trainer_class = _bug_trainers()["stale-old-log-probs"]
     checks = _run(adapter, [BUG_SCENARIO], ["backend-parity"])
     assert _status(checks, "backend-parity") == {"fail"}
     assert _params_differ(checks)
