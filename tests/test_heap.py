@@ -37,3 +37,71 @@ def test_the_long_lived_heap_is_frozen_once_per_import_and_later_garbage_is_stil
     out = subprocess.run([sys.executable, "-c", CODE % str(REPO)], capture_output=True,
                          text=True, timeout=300)
     assert out.stdout.split() == ["2", "True", "True", "True"], out.stderr[-2000:]
+
+
+IMPORTING = """
+import gc, sys, threading
+sys.path[:0] = [%r]
+from rlaudit import heap
+full = []
+gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2
+                    and full.append(1))
+if sys.argv[1] == "importing":
+    with heap.importing():
+        inside = gc.isenabled()
+        import torch  # the heap grows several times over: CPython collects on its own
+        during = len(full)
+    after = len(full)
+else:
+    inside = gc.isenabled()
+    import torch
+    during = after = len(full)
+print(inside, during, after, gc.isenabled(), gc.get_freeze_count() > 10000)
+"""
+
+
+def _importing(mode: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", IMPORTING % str(REPO), mode],
+                         capture_output=True, text=True, timeout=300)
+    return out.stdout.split() or [out.stderr[-2000:]]
+
+
+def test_importing_keeps_full_collections_off_the_imports_and_freezes_them_once():
+    # the same import without it: full collections on the way, nothing frozen
+    inside, during, _, enabled, frozen = _importing("plain")
+    assert inside == "True" and int(during) >= 2 and frozen == "False"
+    # with it: none during the block, the one of the freeze at its end, collection back on
+    assert _importing("importing") == ["False", "0", "1", "True", "True"]
+
+
+def test_importing_blocks_nest_across_threads_and_leave_a_disabled_collector_disabled():
+    import gc
+    import threading
+
+    from rlaudit import heap
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        entered, release, seen = threading.Event(), threading.Event(), {}
+
+        def other():
+            with heap.importing():
+                entered.set()
+                release.wait(30)
+                seen["during"] = gc.isenabled()
+
+        t = threading.Thread(target=other)
+        with heap.importing():
+            t.start()
+            assert entered.wait(30)
+        seen["first left"] = gc.isenabled()   # the other block still runs: still off
+        release.set()
+        t.join(30)
+        assert seen == {"first left": False, "during": False} and gc.isenabled()
+        gc.disable()
+        with heap.importing():
+            pass
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

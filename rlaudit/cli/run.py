@@ -108,8 +108,10 @@ def _run(args) -> int:
         paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
         _start_rank_imports(args, paths)
         # every input of every scenario, before any runs: exit 2 with all problems, or go
-        scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir,
-                                        device=args.device)
+        from rlaudit.heap import importing
+        with importing():  # it imports torch and the engine: no full collections on the way
+            scenarios = validate_invocation(paths, backends=args.backends,
+                                            golden_dir=args.golden_dir, device=args.device)
         from rlaudit.executors import make_executor
         results = []
         backends = _with_oracle(args.backends)

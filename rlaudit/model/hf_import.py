@@ -32,6 +32,13 @@ def import_model_code() -> bool:
     Returns whether it stayed hidden (False: imported with scikit-learn, or nothing to do)."""
     if SKLEARN_USER in sys.modules or "sklearn" in sys.modules:
         return False
+    from rlaudit.heap import importing
+
+    with importing():  # most of transformers: no full collections on the way (rlaudit/heap.py)
+        return _import_without_sklearn()
+
+
+def _import_without_sklearn() -> bool:
     sys.modules["sklearn"] = None  # type: ignore[assignment]
     try:
         __import__(SKLEARN_USER)

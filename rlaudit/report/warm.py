@@ -30,6 +30,13 @@ def warm_report_imports(*, mlflow_uri: str | None) -> threading.Thread | None:
 
 
 def _imports(mlflow_uri: str | None) -> None:
+    from rlaudit.heap import importing
+
+    with importing():  # no full collections on the way (rlaudit/heap.py)
+        _import_all(mlflow_uri)
+
+
+def _import_all(mlflow_uri: str | None) -> None:
     try:
         from rlaudit.report import render, run_report  # noqa: F401
 

@@ -8,7 +8,8 @@ is specific to its task.
 
 What may happen here, and what may not:
 
-- imports only (then ``rlaudit.heap.freeze_long_lived()`` of what they built): no tensor is
+- imports only (under ``rlaudit.heap.importing()``: one collection and a freeze of what they
+  built, at the end): no tensor is
   computed, no thread pool started, no CUDA touched (a forked child cannot use a CUDA context or
   an OpenMP pool its parent created; CUDA pools are spawned);
 - third-party chatter (megatron's "Transformer Engine and Apex are not installed" warnings)
@@ -101,13 +102,13 @@ if os.environ.get("RLAUDIT_PRELOAD_ACTIVE") == "1":  # only inside the forkserve
     t0 = time.perf_counter()
     import warnings
 
-    with warnings.catch_warnings():
+    # what is imported here lives as long as every rank forked from this process: no
+    # collection on the way, one and a freeze at the end (rlaudit/heap.py)
+    from rlaudit.heap import importing
+
+    with warnings.catch_warnings(), importing():
         warnings.simplefilter("ignore")
         FAILED = preload()
-    # what was imported here lives as long as every rank forked from this process
-    from rlaudit.heap import freeze_long_lived
-
-    freeze_long_lived()
     sys.stderr.write(f"[rlaudit preload] {len(MODULES) - len(FAILED)} modules in "
                      f"{time.perf_counter() - t0:.1f} s\n")
     sys.stderr.flush()
