@@ -34,3 +34,12 @@ def pytest_collection_finish(session):
     training without this."""
     from rlaudit.heap import freeze_long_lived
     freeze_long_lived()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """What a test imported on the way (megatron-core's submodules, MLflow, TRL, vLLM, ...) lives
+    as long as the session too: frozen once that test is torn down, so that later full
+    collections do not walk it (freeze_long_lived does nothing when no module was imported)."""
+    from rlaudit.heap import freeze_long_lived
+    freeze_long_lived()
