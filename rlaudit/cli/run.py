@@ -85,6 +85,7 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+    plots: dict = {}  # the report's plots, rendered as scenario results come in (_plots_now)
     if args.target:
         from rlaudit.scenarios.validate import validate_target
         from rlaudit.targets.runner import run_target
@@ -135,12 +136,13 @@ def _run(args) -> int:
                         with executor.progress.paused():
                             print(render_result(res), flush=True)
                             print(flush=True)
+                    _plots_now(res, plots)
         except KeyboardInterrupt:  # what finished is still reported and logged
             print(f"rlaudit: interrupted after {len(results)} of {len(scenarios)} scenario(s); "
                   "reporting those", file=sys.stderr, flush=True)
-            _report(results, args)
+            _report(results, args, plots)
             return EXIT_INTERRUPTED
-    _report(results, args)
+    _report(results, args, plots)
     if args.json:
         json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
         print()
@@ -192,13 +194,24 @@ def _warm_report_imports(args) -> None:
     warm_report_imports(mlflow_uri=uri)
 
 
-def _report(results, args) -> None:
-    """Local report and MLflow logging; neither may lose the audit result if it fails."""
+def _plots_now(res, plots: dict) -> None:
+    """Render ``res``'s report plots now, while later scenarios still run, instead of all of
+    them after the last (--all: 14 s). Any problem is left for the report itself to meet."""
+    try:
+        from rlaudit.report.run_report import scenario_plots
+        plots[id(res)] = scenario_plots(res)
+    except Exception:  # noqa: BLE001 - _report renders it again and says what went wrong
+        pass
+
+
+def _report(results, args, plots: dict | None = None) -> None:
+    """Local report and MLflow logging; neither may lose the audit result if it fails.
+    ``plots``: the report's plots rendered already (_plots_now)."""
     report_dir = Path(args.report_dir)
     paths = None
     try:
         from rlaudit.report.run_report import write_run_report
-        paths = write_run_report(results, report_dir)
+        paths = write_run_report(results, report_dir, plots)
         print(f"report: {paths[0]}", file=sys.stderr)
     except ImportError:
         pass

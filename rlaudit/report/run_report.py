@@ -263,13 +263,25 @@ def render_markdown(results: list[ScenarioResult], plot_paths: dict[str, str],
     return "\n".join(out) + "\n"
 
 
-def build_run_report(results: list[ScenarioResult], out_dir: Path) -> list[Path]:
+def scenario_plots(res: ScenarioResult) -> tuple[bytes | None, bytes | None]:
+    """A result's two plots (metrics over steps, drift vs depth), as the report shows them:
+    ``rlaudit run`` renders each while later scenarios still run (half a second each, which
+    would otherwise all come after the last one) and hands them to :func:`build_run_report`."""
+    return plot_metrics(res), LV.drift_plot(res)
+
+
+def build_run_report(results: list[ScenarioResult], out_dir: Path,
+                     plots: dict[int, tuple[bytes | None, bytes | None]] | None = None
+                     ) -> list[Path]:
     """Write report.html, report.md and plots/<scenario>.png into ``out_dir`` (each atomically;
-    plots left over from an earlier invocation are removed). Returns [html, md, *plots]."""
+    plots left over from an earlier invocation are removed). Returns [html, md, *plots].
+    ``plots``: :func:`scenario_plots` of some of ``results`` already, by ``id(result)``."""
     out_dir = Path(out_dir)
-    pngs = {r.scenario: png for r in results if (png := plot_metrics(r)) is not None}
+    done = plots or {}
+    rendered = [done[id(r)] if id(r) in done else scenario_plots(r) for r in results]
+    pngs = {r.scenario: png for r, (png, _) in zip(results, rendered) if png is not None}
     plot_files = {s: f"plots/{R.safe_filename(s)}.png" for s in pngs}
-    drift = {r.scenario: png for r in results if (png := LV.drift_plot(r)) is not None}
+    drift = {r.scenario: png for r, (_, png) in zip(results, rendered) if png is not None}
     drift_files = {s: f"plots/{R.safe_filename(s)}-drift-vs-depth.png" for s in drift}
     written = [R.write_atomic(out_dir / "report.html", render_html(results, pngs, drift)),
                R.write_atomic(out_dir / "report.md",
@@ -283,7 +295,9 @@ def build_run_report(results: list[ScenarioResult], out_dir: Path) -> list[Path]
     return written
 
 
-def write_run_report(results: list[ScenarioResult], report_dir: Path) -> list[Path]:
+def write_run_report(results: list[ScenarioResult], report_dir: Path,
+                     plots: dict[int, tuple[bytes | None, bytes | None]] | None = None
+                     ) -> list[Path]:
     """The invocation's report under ``<report_dir>/latest/``; returns [report.html, report.md,
-    plots...]."""
-    return build_run_report(results, Path(report_dir) / "latest")
+    plots...]. ``plots``: see :func:`build_run_report`."""
+    return build_run_report(results, Path(report_dir) / "latest", plots)

@@ -97,3 +97,43 @@ def test_fmt_num_and_tables():
     assert render.md_table(["a|b"], [["x\ny"]]) == "| a\\|b |\n|---|\n| x y |"
     assert render.text_table(["k", "value"], [["long-key", 1]]).splitlines() == [
         "k         value", "--------  -----", "long-key  1"]
+
+
+def test_plots_rendered_ahead_are_used_and_the_rest_rendered(make, tmp_path):
+    """`rlaudit run` renders each result's plots while later scenarios still run and hands them
+    over by id(result): those are written as given, the others rendered here."""
+    from rlaudit.report.run_report import build_run_report, scenario_plots
+
+    a, b = make("scn_a"), make("scn_b")
+    written = {p.name: p.read_bytes()
+               for p in build_run_report([a, b], tmp_path / "x",
+                                         {id(a): (b"rendered ahead", None)})}
+    assert written["scn_a.png"] == b"rendered ahead"
+    assert written["scn_b.png"][:8] == b"\x89PNG\r\n\x1a\n"
+    # what was rendered ahead is what the report would have rendered itself
+    ahead = scenario_plots(b)
+    assert ahead[0][:8] == b"\x89PNG\r\n\x1a\n" and ahead[1] is None
+    plain = {p.name: p.read_bytes() for p in build_run_report([b], tmp_path / "y")}
+    given = {p.name: p.read_bytes() for p in build_run_report([b], tmp_path / "z", {id(b): ahead})}
+    assert given["scn_b.png"] == plain["scn_b.png"] == ahead[0]
+    assert given["report.md"] == plain["report.md"]
+
+
+def test_the_cli_renders_plots_as_results_come_in(monkeypatch, tmp_path):
+    """Each result's plots are rendered once, before the report, which then renders none."""
+    from rlaudit.cli.main import main
+    from rlaudit.report import run_report
+
+    calls = []
+    real = run_report.scenario_plots
+    monkeypatch.setattr(run_report, "scenario_plots",
+                        lambda res: calls.append(res.scenario) or real(res))
+    written = []
+    real_build = run_report.build_run_report
+    monkeypatch.setattr(run_report, "build_run_report",
+                        lambda *a, **k: written.append(list(calls)) or real_build(*a, **k))
+    assert main(["run", "seed_entropy_coeff_zero", "adv_rloo", "--backend", "reference",
+                 "--no-mlflow", "--report-dir", str(tmp_path)]) == 0
+    assert written == [["seed_entropy_coeff_zero", "adv_rloo"]]   # both before the report
+    assert calls == ["seed_entropy_coeff_zero", "adv_rloo"]       # and not again
+    assert (tmp_path / "latest" / "plots" / "adv_rloo.png").is_file()
