@@ -19,18 +19,22 @@ SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-300, 5e-324, 1e300, math.inf, -math.inf, mat
 
 
 def _oracle(got, want, mask, atol, rtol, slack):
-    """(entries out of tolerance, largest |got - want| inside the mask: NaN if any is NaN)."""
-    bad, errs = 0, []
+    """({index: how far out of tolerance} of the entries out of it -- inf for a non-finite one
+    --, largest |got - want| inside the mask: NaN if any is NaN)."""
+    out, errs = {}, []
     for i, (g, w) in enumerate(zip(got, want)):
         if mask is not None and not mask[i]:
             continue
         s = slack[i] if isinstance(slack, list) else slack
         err = abs(g - w)
         errs.append(err)
-        if (not math.isfinite(g) and math.isfinite(w)) or err > atol + rtol * abs(w) + s:
-            bad += 1
+        bound = atol + rtol * abs(w) + s
+        if not math.isfinite(g) and math.isfinite(w):
+            out[i] = math.inf
+        elif err > bound:
+            out[i] = err - bound
     worst = math.nan if any(math.isnan(e) for e in errs) else max(errs, default=0.0)
-    return bad, worst
+    return out, worst
 
 
 values = st.one_of(st.sampled_from(SPECIAL), st.floats(-10, 10), st.floats(allow_nan=True))
@@ -62,11 +66,15 @@ def test_compare_tensors_matches_the_contract_entry_by_entry(data, n, atol, rtol
     m = torch.tensor(mask) if mask is not None else None
     s = torch.tensor(slack, dtype=torch.float64) if isinstance(slack, list) else slack
     ok, message, details = compare_tensors("x", g, w, Tolerance(rtol=rtol, atol=atol), m, slack=s)
-    want_bad, want_worst = _oracle(got, want, mask, atol, rtol, slack)
-    assert ok == (want_bad == 0), (message, want_bad)
+    out, want_worst = _oracle(got, want, mask, atol, rtol, slack)
+    assert ok == (not out), (message, out)
     if not ok:
-        assert int(re.search(r"(\d+) entries out of tolerance", message).group(1)) == want_bad
-        assert len(details["worst"]) == min(3, want_bad)
+        assert int(re.search(r"(\d+) entries out of tolerance", message).group(1)) == len(out)
+        named = [w["index"][0] for w in details["worst"]]
+        # the worst entries, worst first, each one out of tolerance (never one whose
+        # expectation is NaN, which is not compared)
+        assert len(named) == min(3, len(out)) and set(named) <= set(out), (named, out)
+        assert [out[i] for i in named] == sorted(out.values(), reverse=True)[:len(named)]
     got_worst = details["max_abs_diff"]
     assert (math.isnan(got_worst) and math.isnan(want_worst)) or got_worst == want_worst
 
@@ -77,6 +85,7 @@ def test_compare_tensors_float32_inputs_and_2d_masks():
     got[1, 1] = 4.5           # out of tolerance, but masked off
     got[0, 1] = float("nan")  # inside the mask: a failure
     mask = torch.tensor([[1, 1], [1, 0]])
+    want[1, 0] = float("nan")  # not compared: never named as the worst
     before = got.clone(), want.clone()
     ok, message, details = compare_tensors("t", got, want, Tolerance(rtol=0, atol=1e-3), mask)
     assert not ok and "1 entries out of tolerance" in message
@@ -84,5 +93,6 @@ def test_compare_tensors_float32_inputs_and_2d_masks():
     for now, then in zip((got, want), before):   # inputs untouched
         assert now.dtype == torch.float32 and torch.equal(now.nan_to_num(7.0),
                                                           then.nan_to_num(7.0))
-    ok, _, details = compare_tensors("t", want + 1e-4, want, Tolerance(rtol=0, atol=1e-3))
+    close = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float32)
+    ok, _, details = compare_tensors("t", close + 1e-4, close, Tolerance(rtol=0, atol=1e-3))
     assert ok and 0 < details["max_abs_diff"] < 1.1e-4

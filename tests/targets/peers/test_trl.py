@@ -43,13 +43,10 @@ BUG_SCENARIO = "trl_gradacc_uneven"
 
 @functools.cache
 def _gt():
-    """TRL's GRPO trainer module, imported on first use (and kept off the garbage collector's
-    full collections, as collection's imports are: rlaudit/heap.py)."""
+    """TRL's GRPO trainer module, imported on first use (what it imports is frozen after the
+    adapter's first train_step: rlaudit/heap.py)."""
     from trl.trainer import grpo_trainer
 
-    from rlaudit.heap import freeze_long_lived
-
-    freeze_long_lived()
     return grpo_trainer
 
 
