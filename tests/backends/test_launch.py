@@ -7,6 +7,7 @@ seconds on 2 cores, so every spawning test checks several things in one launch.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -102,6 +103,11 @@ def _write_pid_then_hang(info, path):
     Path(path + ".tmp").write_text(str(os.getpid()))
     os.replace(path + ".tmp", path)
     _stuck_forever()
+
+
+def _parent_pid(info, wait=0.0):
+    time.sleep(wait)
+    return os.getppid()
 
 
 def _cuda_all_reduce(info):
@@ -332,6 +338,7 @@ def test_timeout_names_the_stuck_rank_and_shows_its_stack():
 
 
 def test_startup_has_its_own_deadline(monkeypatch):
+    monkeypatch.setenv("RLAUDIT_START_METHOD", "spawn")  # a forked rank may be up in 0.3 s
     monkeypatch.setattr(launch_group, "STARTUP_TIMEOUT_S", 0.3)  # no rank imports torch that fast
     with pytest.raises(RankFailure) as err:
         launch(_returns_none, 1, timeout=60)
@@ -367,12 +374,62 @@ def test_concurrent_launches_do_not_collide_and_one_rank_works(recwarn):
     assert _no_rank_processes_left()
 
 
-_LAUNCHERS = {
-    # a one-shot launch: the rank is the launcher's child
-    "launch": "from rlaudit.backends.launch import launch; launch(t._write_pid_then_hang, 1, {})",
-    # a warm pool on CPU: the rank is forked from the launcher's forkserver, whose child it is
-    "pool": "from rlaudit.backends.launch.pool import RankPool; "
-            "RankPool(1).run(t._write_pid_then_hang, {})",
+_START_METHODS = """
+import json, os, sys, threading, time
+import test_launch as t
+from rlaudit.backends.launch import _start, launch
+out = {"launcher": os.getpid(), "forked": launch(t._parent_pid, 2, timeout=120),
+       "server": _start.forkserver_pid()}
+out["with_env"] = launch(t._parent_pid, 1, env={"RLAUDIT_TEST_VAR": "x"}, timeout=120)
+os.environ["RLAUDIT_TEST_VAR"] = "changed"
+out["env_changed"] = launch(t._parent_pid, 1, timeout=120)
+del os.environ["RLAUDIT_TEST_VAR"]
+got = {}
+slow = threading.Thread(target=lambda: got.update(r=launch(t._parent_pid, 1, args=(2.0,))))
+slow.start()
+while not _start._one_shot_in_flight:
+    time.sleep(0.01)
+_start.stop_forkserver()  # a forked one-shot group runs: not now
+out["server_during"] = _start.forkserver_pid()
+slow.join()
+out["slow"] = got.get("r")
+_start.stop_forkserver()
+out["server_after"] = _start.forkserver_pid()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_one_shot_ranks_fork_from_the_forkserver_when_they_see_what_spawned_ones_would():
+    """Forked on CPU; spawned when the launch has an ``env`` (set before torch is imported) or
+    the launcher's environment changed since the forkserver started; the forkserver is not
+    stopped under a forked one-shot group. In a fresh process: the test session's forkserver
+    started under whatever environment some earlier test had."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RLAUDIT_START_METHOD", "RLAUDIT_TEST_VAR")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run([sys.executable, "-c", _START_METHODS], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    launcher, server = out["launcher"], out["server"]
+    assert server is not None and server != launcher
+    assert out["forked"] == [server, server]
+    assert out["with_env"] == [launcher] and out["env_changed"] == [launcher]
+    assert out["slow"] == [server] and out["server_during"] == server
+    assert out["server_after"] is None
+
+
+_ONE_SHOT = "from rlaudit.backends.launch import launch; launch(t._write_pid_then_hang, 1, {})"
+_LAUNCHERS = {  # (code, $RLAUDIT_START_METHOD)
+    # a one-shot launch, spawned: the rank is the launcher's child
+    "launch-spawned": (_ONE_SHOT, "spawn"),
+    # a one-shot launch on CPU: the rank is forked from the launcher's forkserver, whose child it is
+    "launch": (_ONE_SHOT, None),
+    # a warm pool on CPU: forked from the forkserver too
+    "pool": ("from rlaudit.backends.launch.pool import RankPool; "
+             "RankPool(1).run(t._write_pid_then_hang, {})", None),
 }
 
 
@@ -380,8 +437,11 @@ _LAUNCHERS = {
 @pytest.mark.parametrize("how", list(_LAUNCHERS))
 def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, how):
     pid_file = tmp_path / "rank.pid"
-    code = "import test_launch as t; " + _LAUNCHERS[how].format(f"args=({str(pid_file)!r},)")
+    code, method = _LAUNCHERS[how]
+    code = "import test_launch as t; " + code.format(f"args=({str(pid_file)!r},)")
     env = {k: v for k, v in os.environ.items() if k != "RLAUDIT_START_METHOD"}
+    if method:
+        env["RLAUDIT_START_METHOD"] = method
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env)
@@ -394,7 +454,7 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, how):
         rank_pid = int(pid_file.read_text())
         assert _alive(rank_pid)
         parent = int(Path(f"/proc/{rank_pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert (parent == launcher.pid) == (how == "launch")  # the pool's is the forkserver
+        assert (parent == launcher.pid) == (how == "launch-spawned")  # else the forkserver
     finally:
         launcher.kill()
         launcher.wait()

@@ -18,14 +18,20 @@ The FSDP and Megatron backends (and multi-rank tests) run their ranks through :f
 What a rank gets: the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` = ``host``, ``MASTER_PORT``,
 ``TORCHELASTIC_USE_AGENT_STORE``), ``GLOO_SOCKET_IFNAME`` (and ``NCCL_SOCKET_IFNAME`` with NCCL)
-naming the interface of ``host``, plus ``env``, all set before torch is imported in the rank;
-``OMP_NUM_THREADS`` and ``torch.set_num_threads`` = ``threads_per_rank``; an initialised default
-process group; on CUDA its device set to ``local_rank``; stdout/stderr (file descriptors, so C++
-output too) in a log file.
+naming the interface of ``host``, plus ``env``, all set before ``fn`` runs -- and before torch is
+imported in the rank when ``env`` is given; ``OMP_NUM_THREADS`` and ``torch.set_num_threads`` =
+``threads_per_rank``; an initialised default process group; on CUDA its device set to
+``local_rank``; stdout/stderr (file descriptors, so C++ output too) in a log file.
 
-**Spawning is expensive** (each rank imports torch: 3-5 s for two ranks on a small CPU box): give
-``fn`` many checks to run in one group and return all their results, rather than launching once
-per check.
+**How ranks start** (``_start.one_shot_context``): on CPU they are forked from this process's
+forkserver, which has imported torch, transformers and megatron-core once (the warm pools fork
+theirs from it too), whenever a forked rank sees what a spawned one would: no ``env`` of the
+launch's own, and the launcher's environment as it was when the forkserver started. Otherwise --
+``env`` given, the environment changed since, CUDA, or ``RLAUDIT_START_METHOD=spawn`` -- they are
+spawned, and **spawning is expensive** (each rank imports torch: 3-5 s for two ranks on a small
+CPU box). Either way, give ``fn`` many checks to run in one group and return all their results,
+rather than launching once per check. The first launch in a process waits for the forkserver's
+imports.
 
 Design decisions:
 
@@ -61,8 +67,9 @@ Design decisions:
 
 Ranks leave with ``os._exit`` after flushing (so ``atexit`` handlers do not run in a rank).
 Arguments and ``fn`` are pickled by the launcher (pass CPU tensors); ``fn`` must be importable
-in a fresh interpreter, which spawn requires -- a lambda or a function defined inside another
-function or a test raises :class:`~rlaudit.errors.InputError` naming ``fn``.
+by a process that has not imported it (a spawned rank, or one forked from the forkserver) -- a
+lambda or a function defined inside another function or a test raises
+:class:`~rlaudit.errors.InputError` naming ``fn``.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rlaudit.backends.launch import _group, _rendezvous
+from rlaudit.backends.launch import _group, _rendezvous, _start
 from rlaudit.backends.launch._common import MASTER_ADDR, RankInfo, RankSpec, scratch_dir
 from rlaudit.backends.launch._group import RankGroup
 from rlaudit.backends.launch._report import (RankOutcome, failure_message, order_outcomes,
@@ -110,7 +117,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     ``device``: ``cpu`` or ``cuda`` (rank r uses ``cuda:r``). ``timeout``: seconds ``fn`` may
     run, counted from when every rank has joined the process group (starting the ranks has its own
     bound, ``_group.STARTUP_TIMEOUT_S``, since a loaded machine may take tens of seconds to spawn).
-    ``env``: extra environment variables for each rank (not :data:`RESERVED_ENV`).
+    ``env``: extra environment variables for each rank (not :data:`RESERVED_ENV`), set before
+    torch is imported (the ranks are then spawned, never forked: see the module docstring).
     ``host``: the address the rendezvous store and the ranks' gloo/NCCL sockets listen on; the
     default, loopback, is right for every local launch. A multi-node setup passes this node's
     address on the interface the other nodes reach; a wildcard (``0.0.0.0``) is refused.
@@ -136,13 +144,15 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         store = host_store(torch_timeout, addr)
         specs = [_spec(r, world_size, device, backend, root, store.port, torch_timeout,
                        threads_per_rank, rank_env, addr) for r in range(world_size)]
-        group = RankGroup(specs, payload)
-        try:
-            with _no_main_reimport(fn):
-                group.start()
-            group.stop(group.supervise(timeout))
-        finally:
-            group.kill_all()
+        ctx = _start.one_shot_context(device, env)  # CPU: forked from the preloaded forkserver
+        group = RankGroup(specs, payload, ctx=ctx)
+        with _start.one_shot_ranks(ctx):
+            try:
+                with _no_main_reimport(fn):
+                    group.start()
+                group.stop(group.supervise(timeout))
+            finally:
+                group.kill_all()
         outcomes = order_outcomes(group.outcomes())
         if outcomes:
             exc = RankFailure(failure_message(outcomes, fn_name=fn_name, world_size=world_size,
@@ -253,19 +263,19 @@ def _no_main_reimport(fn):
 
 
 def _pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any] | None) -> bytes:
-    """Pickle ``(fn, args, kwargs)`` now, so that what spawn cannot carry fails here, clearly."""
+    """Pickle ``(fn, args, kwargs)`` now, so that what a rank cannot receive fails here, clearly."""
     if not callable(fn):
         raise InputError(f"expected a callable, got {type(fn).__name__}", source=_SOURCE, key="fn")
     name = _describe(fn)
     qualname = getattr(fn, "__qualname__", "")
     if "<lambda>" in qualname or "<locals>" in qualname:
-        raise InputError(f"{name} cannot run in a spawned rank: a lambda or a function defined "
+        raise InputError(f"{name} cannot run in a rank process: a lambda or a function defined "
                          "inside another function (or test) cannot be imported by a fresh "
                          "process; define it at module level", source=_SOURCE, key="fn")
     main = sys.modules.get("__main__")
     main_file = getattr(main, "__file__", None)
     if getattr(fn, "__module__", None) == "__main__" and main_file is None:
-        raise InputError(f"{name} is defined in an interactive session, which a spawned rank "
+        raise InputError(f"{name} is defined in an interactive session, which a rank process "
                          "cannot import; put it in a module", source=_SOURCE, key="fn")
     if getattr(fn, "__module__", None) == "__main__" and main_file is not None \
             and getattr(main, "__spec__", None) is None and not os.path.exists(main_file):
@@ -281,7 +291,7 @@ def _pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, An
         try:
             pickle.dumps(value)
         except Exception as exc:  # noqa: BLE001 - pickling raises many types
-            raise InputError(f"cannot be pickled for a spawned rank ({type(exc).__name__}: "
+            raise InputError(f"cannot be pickled for a rank process ({type(exc).__name__}: "
                              f"{exc}); fn must be module-level, arguments plain data or CPU "
                              "tensors", source=_SOURCE, key=key) from exc
     return pickle.dumps((fn, args, kwargs))

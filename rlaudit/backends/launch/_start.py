@@ -13,15 +13,24 @@ has imported the same modules; the pool isolation test compares both start metho
 CUDA pools are always spawned: a process forked from a parent that has initialised the CUDA driver
 cannot use CUDA, and on a GPU machine the import cost is a small share of a run.
 
-``RLAUDIT_START_METHOD=spawn`` spawns CPU pools too (to rule the forkserver out when debugging);
-the one-shot :func:`~rlaudit.backends.launch.launch` always spawns.
+``RLAUDIT_START_METHOD=spawn`` spawns CPU pools too (to rule the forkserver out when debugging).
+
+The one-shot :func:`~rlaudit.backends.launch.launch` forks its CPU ranks from the same forkserver
+(:func:`one_shot_context`) when a forked rank would see what a spawned one sees: no ``env`` of its
+own (those variables are promised to be set before torch is imported) and the launcher's
+environment as it was when the forkserver started (a spawned rank inherits the launcher's current
+environment; a forked one, the forkserver's). Otherwise it spawns. A multi-rank test session
+launches dozens of one-shot groups: each spawned rank imported torch (1.2 CPU-s), and transformers
+and megatron-core too when its function needed them (4-5 CPU-s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import threading
+from typing import Iterator
 
 from rlaudit.errors import InputError
 
@@ -29,7 +38,14 @@ START_METHODS = ("forkserver", "spawn")
 PRELOAD_MODULE = "rlaudit.backends.launch._preload"
 _ENV = "RLAUDIT_START_METHOD"
 _ACTIVE_ENV = "RLAUDIT_PRELOAD_ACTIVE"  # read by _preload
+#: set by pytest for each test phase; no rank reads it, and it would never match
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 _lock = threading.Lock()
+#: the environment this process's running forkserver started with (None: not started by
+#: ensure_forkserver, or stopped)
+_server_env: dict[str, str] | None = None
+#: one-shot launches whose forked ranks are running: the forkserver must stay (stop_forkserver)
+_one_shot_in_flight = 0
 
 
 def start_method(device: str) -> str:
@@ -56,10 +72,12 @@ def ensure_forkserver() -> None:
     """Start this process's forkserver with the preload, unless it runs already (a dead one is
     started again). Returns at once: the preload's imports run in the forkserver, and the first
     rank forked from it waits for them."""
+    global _server_env
     from multiprocessing import forkserver
 
     with _lock:
         server = forkserver._forkserver
+        before = server._forkserver_pid
         # only the preload: multiprocessing's default also re-imports the parent's __main__ in
         # the forkserver, which would run a user's unguarded script a second time (the
         # launcher hides __main__ from spawned ranks for the same reason: _no_main_reimport)
@@ -75,6 +93,41 @@ def ensure_forkserver() -> None:
                 os.environ.pop(_ACTIVE_ENV, None)
             else:
                 os.environ[_ACTIVE_ENV] = saved
+        if server._forkserver_pid != before:  # started just now, with this environment (one
+            _server_env = _comparable_env()     # started elsewhere keeps None: not known)
+
+
+def _comparable_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+
+
+def one_shot_context(device: str, env) -> "mp.context.BaseContext":
+    """The context a one-shot launch starts its ranks from: the preloaded forkserver on CPU when a
+    forked rank sees what a spawned one would (no ``env`` of the launch's own, the launcher's
+    environment unchanged since the forkserver started), else spawn."""
+    if env or start_method(device) == "spawn":
+        return mp.get_context("spawn")
+    ensure_forkserver()
+    with _lock:
+        same = _server_env is not None and _server_env == _comparable_env()
+    return mp.get_context("forkserver" if same else "spawn")
+
+
+@contextlib.contextmanager
+def one_shot_ranks(ctx) -> Iterator[None]:
+    """Held while a one-shot launch's ranks (started from ``ctx``) run: while a forked group runs,
+    :func:`stop_forkserver` leaves its forkserver up."""
+    global _one_shot_in_flight
+    forked = ctx.get_start_method() == "forkserver"
+    if forked:
+        with _lock:
+            _one_shot_in_flight += 1
+    try:
+        yield
+    finally:
+        if forked:
+            with _lock:
+                _one_shot_in_flight -= 1
 
 
 def forkserver_pid() -> int | None:
@@ -88,15 +141,18 @@ def stop_forkserver() -> None:
     """Stop this process's forkserver, if it runs; the next :func:`ensure_forkserver` starts a
     new one. Only once every pool forked from it is closed: a forked process's exit status
     reaches its launcher through the forkserver, so with the forkserver gone a live rank reads
-    as dead (exit code 255). Otherwise the forkserver leaves by itself with this process."""
+    as dead (exit code 255); nothing is done while a one-shot launch's forked ranks run.
+    Otherwise the forkserver leaves by itself with this process."""
     import signal
     from multiprocessing import forkserver
 
+    global _server_env
     with _lock:
         server = forkserver._forkserver
         pid = server._forkserver_pid
-        if pid is None:
+        if pid is None or _one_shot_in_flight:
             return
+        _server_env = None
         try:
             os.kill(pid, signal.SIGKILL)  # it may be inside the preload's imports: no handshake
             os.waitpid(pid, 0)
