@@ -110,6 +110,15 @@ def _parent_pid(info, wait=0.0):
     return os.getppid()
 
 
+def _environment(info=None):
+    """This process's environment, less what the launcher sets in every rank and what torch's
+    inductor sets when something imports it (the forkserver's preload does; so would any rank
+    importing those modules)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in (*RESERVED_ENV, "TORCHINDUCTOR_CACHE_DIR")
+            and not k.startswith(("GLOO_", "NCCL_"))}
+
+
 def _cuda_all_reduce(info):
     x = torch.full((2,), float(info.rank + 1), device=info.device)
     dist.all_reduce(x)
@@ -380,6 +389,7 @@ import test_launch as t
 from rlaudit.backends.launch import _start, launch
 out = {"launcher": os.getpid(), "forked": launch(t._parent_pid, 2, timeout=120),
        "server": _start.forkserver_pid()}
+out["env_same"] = launch(t._environment, 1, timeout=120) == [t._environment()]
 out["with_env"] = launch(t._parent_pid, 1, env={"RLAUDIT_TEST_VAR": "x"}, timeout=120)
 os.environ["RLAUDIT_TEST_VAR"] = "changed"
 out["env_changed"] = launch(t._parent_pid, 1, timeout=120)
@@ -416,6 +426,7 @@ def test_one_shot_ranks_fork_from_the_forkserver_when_they_see_what_spawned_ones
     launcher, server = out["launcher"], out["server"]
     assert server is not None and server != launcher
     assert out["forked"] == [server, server]
+    assert out["env_same"]  # the launcher's environment, as a spawned rank's would be
     assert out["with_env"] == [launcher] and out["env_changed"] == [launcher]
     assert out["slow"] == [server] and out["server_during"] == server
     assert out["server_after"] is None

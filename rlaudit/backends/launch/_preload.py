@@ -111,3 +111,7 @@ if os.environ.get("RLAUDIT_PRELOAD_ACTIVE") == "1":  # only inside the forkserve
     sys.stderr.write(f"[rlaudit preload] {len(MODULES) - len(FAILED)} modules in "
                      f"{time.perf_counter() - t0:.1f} s\n")
     sys.stderr.flush()
+    # the switch was for this process: a forked rank's environment is then the launcher's as it
+    # was when the forkserver started (what a spawned rank gets), and a process a rank starts
+    # that imports this module does not take itself for a forkserver
+    os.environ.pop("RLAUDIT_PRELOAD_ACTIVE", None)
