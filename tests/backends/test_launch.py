@@ -1,7 +1,8 @@
 """Tests of the multi-rank launcher (rlaudit.backends.launch).
 
-The rank functions are module-level (spawned ranks import them). Each spawn of a few ranks costs
-seconds on 2 cores, so every spawning test checks several things in one launch.
+The rank functions are module-level (every rank imports them: spawned, or forked from the
+forkserver). Starting a few ranks costs seconds on 2 cores, so every launching test checks several
+things in one launch.
 """
 
 from __future__ import annotations
