@@ -35,8 +35,8 @@ BASE = {
 }
 
 
-def test_there_are_29_committed_scenarios():
-    assert len(COMMITTED) == 29
+def test_there_are_30_committed_scenarios():
+    assert len(COMMITTED) == 30
     assert discover(SCENARIOS) == COMMITTED  # models/ and rollouts/ hold no scenarios
 
 
