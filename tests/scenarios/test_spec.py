@@ -35,8 +35,8 @@ BASE = {
 }
 
 
-def test_there_are_30_committed_scenarios():
-    assert len(COMMITTED) == 30
+def test_there_are_31_committed_scenarios():
+    assert len(COMMITTED) == 31
     assert discover(SCENARIOS) == COMMITTED  # models/ and rollouts/ hold no scenarios
 
 
