@@ -45,10 +45,11 @@ def freeze_long_lived() -> None:
 def importing():
     """No automatic collection while the block runs (in any thread: the switch is the
     process's), then :func:`freeze_long_lived`. For blocks that mostly import; blocks may nest
-    or overlap across threads -- collection resumes when the last one leaves, as it was before
-    the first (a process that had it disabled keeps it disabled). What is alive in other threads
-    at the end is frozen too: still freed when its last reference goes, only a reference cycle
-    among it would wait for the process's end."""
+    or overlap across threads -- when the last one leaves, collection resumes as it was before
+    the first (a process that had it disabled keeps it disabled) and the one freeze runs (an
+    inner block -- the model-code import inside the preload -- leaving earlier collects
+    nothing). What is alive in other threads at the end is frozen too: still freed when its
+    last reference goes, only a reference cycle among it would wait for the process's end."""
     global _importing, _was_enabled
     with _lock:
         if _importing == 0:
@@ -60,6 +61,8 @@ def importing():
     finally:
         with _lock:
             _importing -= 1
-            if _importing == 0 and _was_enabled:
+            last = _importing == 0
+            if last and _was_enabled:
                 gc.enable()
-        freeze_long_lived()
+        if last:
+            freeze_long_lived()

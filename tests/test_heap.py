@@ -49,7 +49,9 @@ gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] 
 if sys.argv[1] == "importing":
     with heap.importing():
         inside = gc.isenabled()
-        import torch  # the heap grows several times over: CPython collects on its own
+        with heap.importing():  # a nested block: leaving it neither collects nor freezes
+            import torch  # the heap grows several times over: CPython collects on its own
+        import json.tool
         during = len(full)
     after = len(full)
 else:
@@ -70,7 +72,8 @@ def test_importing_keeps_full_collections_off_the_imports_and_freezes_them_once(
     # the same import without it: full collections on the way, nothing frozen
     inside, during, _, enabled, frozen = _importing("plain")
     assert inside == "True" and int(during) >= 2 and frozen == "False"
-    # with it: none during the block, the one of the freeze at its end, collection back on
+    # with it: none during the blocks, the one of the freeze at the outer one's end, collection
+    # back on
     assert _importing("importing") == ["False", "0", "1", "True", "True"]
 
 
