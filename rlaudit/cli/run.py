@@ -77,9 +77,9 @@ def run(args) -> int:
             return _run(args)
     finally:
         from rlaudit.backends.launch import _start
-        from rlaudit.backends.launch.pool import ranks_alive
-        if not ranks_alive():  # e.g. called in-process by a test session that has pools up
-            _start.stop_forkserver()  # nothing forked is left: no import running after exit
+        # no import left running after exit; kept while ranks forked from it run (called
+        # in-process by a test session that has pools up, say)
+        _start.stop_forkserver()
         if log.is_file() and log.stat().st_size:
             print(f"third-party warnings and logs: {log}", file=sys.stderr)
 

@@ -398,7 +398,8 @@ del os.environ["RLAUDIT_TEST_VAR"]
 got = {}
 slow = threading.Thread(target=lambda: got.update(r=launch(t._parent_pid, 1, args=(2.0,))))
 slow.start()
-while not _start._one_shot_in_flight:
+import multiprocessing
+while not multiprocessing.active_children():
     time.sleep(0.01)
 _start.stop_forkserver()  # a forked one-shot group runs: not now
 out["server_during"] = _start.forkserver_pid()

@@ -146,13 +146,12 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
                        threads_per_rank, rank_env, addr) for r in range(world_size)]
         ctx = _start.one_shot_context(device, env)  # CPU: forked from the preloaded forkserver
         group = RankGroup(specs, payload, ctx=ctx)
-        with _start.one_shot_ranks(ctx):
-            try:
-                with _no_main_reimport(fn):
-                    group.start()
-                group.stop(group.supervise(timeout))
-            finally:
-                group.kill_all()
+        try:
+            with _no_main_reimport(fn):
+                group.start()
+            group.stop(group.supervise(timeout))
+        finally:
+            group.kill_all()
         outcomes = order_outcomes(group.outcomes())
         if outcomes:
             exc = RankFailure(failure_message(outcomes, fn_name=fn_name, world_size=world_size,

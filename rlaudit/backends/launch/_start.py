@@ -26,11 +26,9 @@ and megatron-core too when its function needed them (4-5 CPU-s).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import threading
-from typing import Iterator
 
 from rlaudit.errors import InputError
 
@@ -44,8 +42,6 @@ _lock = threading.Lock()
 #: the environment this process's running forkserver started with (None: not started by
 #: ensure_forkserver, or stopped)
 _server_env: dict[str, str] | None = None
-#: one-shot launches whose forked ranks are running: the forkserver must stay (stop_forkserver)
-_one_shot_in_flight = 0
 
 
 def start_method(device: str) -> str:
@@ -113,23 +109,6 @@ def one_shot_context(device: str, env) -> "mp.context.BaseContext":
     return mp.get_context("forkserver" if same else "spawn")
 
 
-@contextlib.contextmanager
-def one_shot_ranks(ctx) -> Iterator[None]:
-    """Held while a one-shot launch's ranks (started from ``ctx``) run: while a forked group runs,
-    :func:`stop_forkserver` leaves its forkserver up."""
-    global _one_shot_in_flight
-    forked = ctx.get_start_method() == "forkserver"
-    if forked:
-        with _lock:
-            _one_shot_in_flight += 1
-    try:
-        yield
-    finally:
-        if forked:
-            with _lock:
-                _one_shot_in_flight -= 1
-
-
 def forkserver_pid() -> int | None:
     """The pid of this process's forkserver, if one was started."""
     from multiprocessing import forkserver
@@ -137,12 +116,20 @@ def forkserver_pid() -> int | None:
     return forkserver._forkserver._forkserver_pid
 
 
+def _forked_processes_alive() -> bool:
+    """Whether a child this process started through its forkserver still runs."""
+    from multiprocessing import popen_forkserver
+
+    return any(isinstance(getattr(p, "_popen", None), popen_forkserver.Popen)
+               for p in mp.active_children())
+
+
 def stop_forkserver() -> None:
-    """Stop this process's forkserver, if it runs; the next :func:`ensure_forkserver` starts a
-    new one. Only once every pool forked from it is closed: a forked process's exit status
+    """Stop this process's forkserver, if it runs and no process this one started through it
+    (a warm pool's rank, a one-shot launch's) still runs: a forked process's exit status
     reaches its launcher through the forkserver, so with the forkserver gone a live rank reads
-    as dead (exit code 255); nothing is done while a one-shot launch's forked ranks run.
-    Otherwise the forkserver leaves by itself with this process."""
+    as dead (exit code 255). The next :func:`ensure_forkserver` starts a new one. Otherwise the
+    forkserver leaves by itself with this process."""
     import signal
     from multiprocessing import forkserver
 
@@ -150,7 +137,7 @@ def stop_forkserver() -> None:
     with _lock:
         server = forkserver._forkserver
         pid = server._forkserver_pid
-        if pid is None or _one_shot_in_flight:
+        if pid is None or _forked_processes_alive():
             return
         _server_env = None
         try:

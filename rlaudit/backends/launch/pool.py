@@ -39,7 +39,6 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -86,7 +85,6 @@ class RankPool:
         self._store = None
         self._ids = itertools.count()
         self._closed = False  # by close(): start() no longer brings it up (run() still does)
-        _POOLS.add(self)
 
     @property
     def alive(self) -> bool:
@@ -324,16 +322,6 @@ class PoolSet:
             self._closed = True
         for p in list(self._pools.values()):
             p.close()
-
-
-#: Every RankPool of this process (weakly): whether any still has ranks up (ranks_alive).
-_POOLS: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
-
-
-def ranks_alive() -> bool:
-    """Whether any warm pool of this process has its ranks up (then the forkserver they were
-    forked from must stay: ``_start.stop_forkserver``)."""
-    return any(p.alive for p in list(_POOLS))
 
 
 _ACTIVE: list[PoolSet] = []
