@@ -69,6 +69,19 @@ def needed_pools(scenarios, backends: list[str] | None) -> list[tuple[str, int, 
     return list(keys)
 
 
+def groups_in_flight(scenarios, backends: list[str] | None, jobs: int) -> int:
+    """How many multi-rank groups may replay at once: the ``jobs`` scenarios with the most
+    multi-rank backends, each running all of them concurrently (what the placement of the
+    pools' ranks on cores is sized for: rlaudit/backends/launch/placement.py)."""
+    from rlaudit.backends.registry import get_backend
+    from rlaudit.scenarios.engine import planned_backends
+
+    counts = sorted((sum(getattr(get_backend(b), "rank_pool", None) is not None
+                         for b in planned_backends(scn, backends)[0]) for scn in scenarios),
+                    reverse=True)
+    return max(1, sum(counts[:max(1, jobs)]))
+
+
 def job_count(scenarios, backends: list[str] | None) -> int:
     """How many scenario x backend replays ``run_scenario`` will do (for the progress line)."""
     from rlaudit.scenarios.engine import planned_backends
@@ -120,6 +133,11 @@ class LocalExecutor:
 
         warm = active()
         if warm is not None and self._scenarios:  # ranks start while this process loads
+            from rlaudit.backends.launch import placement
+
+            # fewer cores than ranks in flight: each group's tasks on cores of their own
+            warm.place(placement.for_groups(groups_in_flight(self._scenarios, self._backends,
+                                                             self.jobs)))
             warm.prestart(needed_pools(self._scenarios, self._backends), timeout=self._timeout)
         torch.set_num_threads(process_threads())
         quiet_loggers()  # torch's own log handler: its warnings go to the run's log file
@@ -181,5 +199,5 @@ def make_executor(name: str, scenarios, *, backends: list[str] | None = None,
                          backends=backends, timeout=timeout, when_idle=when_idle)
 
 
-__all__ = ["EXECUTORS", "LocalExecutor", "Progress", "job_count", "make_executor",
-           "needed_pools"]
+__all__ = ["EXECUTORS", "LocalExecutor", "Progress", "groups_in_flight", "job_count",
+           "make_executor", "needed_pools"]

@@ -4,7 +4,10 @@ A pool rank starts like a one-shot rank (``_worker.setup_process``: own process 
 faulthandler, parent watchdog, environment; then ``import torch`` and the process group), and
 then serves tasks from its pipe until told to close:
 
-    ("task", task_id, task_dir, payload)  ->  run fn, write ``task_dir/rank<r>.result.pt``
+    ("task", task_id, task_dir, payload, cpus)
+                                          ->  move onto ``cpus`` (None: the cores it started
+                                              with; rlaudit/backends/launch/placement.py), run
+                                              fn, write ``task_dir/rank<r>.result.pt``
                                               atomically, reset, answer b"done"
     ("close",)                            ->  leave (os._exit: no barrier, no gloo teardown)
 
@@ -55,6 +58,7 @@ def pool_rank_main(spec: RankSpec, payload: None, conn) -> None:
         phase = "init"
         info = _init_distributed(spec)
         state = ProcessState.capture(spec.threads, spec.device_type)
+        placed = Placed()
         files.ready.touch()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
         _record_error(spec, phase, exc)
@@ -67,11 +71,12 @@ def pool_rank_main(spec: RankSpec, payload: None, conn) -> None:
             _exit(0)
         if message[0] != "task":
             _exit(0)
-        _, task_id, task_dir, payload = message
+        _, task_id, task_dir, payload, cpus = message
         task_dir = Path(task_dir)
         task_files = files.for_task(task_dir, spec.rank)
         phase = "import"  # unpickling imports fn's module
         try:
+            placed.move(cpus)
             fn, args, kwargs = pickle.loads(payload)
             phase = "fn"
             result = fn(dataclasses.replace(info, tmpdir=task_dir / "scratch"), *args, **kwargs)
@@ -87,6 +92,24 @@ def pool_rank_main(spec: RankSpec, payload: None, conn) -> None:
             conn.send_bytes(DONE + b":" + str(task_id).encode())
         except (BrokenPipeError, OSError):
             _exit(0)
+
+
+class Placed:
+    """The cores this rank's threads are on: the ones it started with until a task names others
+    (rlaudit/backends/launch/placement.py); a task that names none gets the start ones back."""
+
+    def __init__(self):
+        from rlaudit.backends.launch.placement import usable_cpus
+
+        self.start = tuple(usable_cpus())
+        self.now = self.start
+
+    def move(self, cpus) -> None:
+        from rlaudit.backends.launch.placement import pin_threads
+
+        want = tuple(cpus) if cpus else self.start
+        if want and want != self.now and pin_threads(want):
+            self.now = want
 
 
 @dataclasses.dataclass

@@ -85,6 +85,8 @@ class RankPool:
         self._store = None
         self._ids = itertools.count()
         self._closed = False  # by close(): start() no longer brings it up (run() still does)
+        #: where each task's ranks run (placement.CorePlacement; None: wherever the OS puts them)
+        self.placement = None
 
     @property
     def alive(self) -> bool:
@@ -176,13 +178,20 @@ class RankPool:
         task_dir = self._root / f"task{task_id}"
         (task_dir / "scratch").mkdir(parents=True)
         group.files = [f.for_task(task_dir, r) for r, f in enumerate(self._pool_files)]
-        message = pickle.dumps(("task", task_id, str(task_dir), payload))
+        placement = self.placement
+        cpus = (placement.acquire(self.world_size, device=self.device,
+                                  threads_per_rank=self.threads) if placement else None)
+        message = pickle.dumps(("task", task_id, str(task_dir), payload, cpus))
         try:
             for conn in self._conns:
                 conn.send_bytes(message)
         except (BrokenPipeError, OSError):
             pass  # a rank is gone: supervision reports it
-        why = self._supervise(timeout)
+        try:
+            why = self._supervise(timeout)
+        finally:
+            if placement:
+                placement.release(cpus)
         if why != "done":
             self._fail(why, fn_name=fn_name, timeout=timeout)
         try:
@@ -274,6 +283,15 @@ class PoolSet:
         self._pools: dict[tuple, RankPool] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._placement = None
+
+    def place(self, placement) -> None:
+        """Run every pool's tasks where ``placement`` (a :class:`placement.CorePlacement`, or
+        None: anywhere) says, from their next task on."""
+        with self._lock:
+            self._placement = placement
+            for p in self._pools.values():
+                p.placement = placement
 
     def pool(self, name: str, world_size: int, *, device: str = "cpu",
              backend: str | None = None, env: Mapping[str, str] | None = None,
@@ -287,6 +305,7 @@ class PoolSet:
                 self._pools[key] = RankPool(world_size, device=device, backend=backend, env=env,
                                             threads_per_rank=threads_per_rank,
                                             torch_timeout=timeout)
+                self._pools[key].placement = self._placement
             return self._pools[key]
 
     def prestart(self, keys, *, timeout: float = 300.0) -> threading.Thread:
