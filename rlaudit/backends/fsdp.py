@@ -74,14 +74,19 @@ def _rank_main(info, request: ReplayRequest) -> dict[str, VariantRun]:
 class FSDPBackend:
     name = "fsdp"
 
+    #: the first torch whose torch.distributed.fsdp exports FSDP2's fully_shard
+    MIN_TORCH = "2.6"
+
     def available(self) -> tuple[bool, str]:
-        try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
-        except ImportError as e:
-            return False, f"torch has no FSDP2 (fully_shard): {e}"
+        # by version, not by importing torch.distributed.fsdp: the CLI asks before every run,
+        # and only the ranks (forked from a process that has it imported) need the module --
+        # 0.6 CPU-s a run otherwise. A build without it fails in the ranks with the ImportError.
         import torch.distributed as dist
         if not dist.is_available():
             return False, "torch.distributed is not available"
+        if torch.__version__ < self.MIN_TORCH:
+            return False, (f"torch {torch.__version__} has no FSDP2 (fully_shard in "
+                           f"torch.distributed.fsdp needs torch >= {self.MIN_TORCH})")
         return True, ""
 
     def rank_pool(self, layout: dict) -> tuple[str, int]:
