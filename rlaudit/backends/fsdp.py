@@ -67,7 +67,11 @@ def _rank_main(info, request: ReplayRequest) -> dict[str, VariantRun]:
                                                 ref_model_path=request.ref_model))
             if request.faults:  # test-only (rlaudit/backends/faults.py)
                 variant, make_roles = faults.inject(request.faults, "fsdp", variant, make_roles)
-            out[variant.name] = replay_variant(make_roles, variant)
+            run = replay_variant(make_roles, variant)
+            if info.rank != 0:  # replay() reads rank 0's runs and every rank's micro-batch log:
+                # the rest (parameters every step: megabytes a variant) stays here
+                run = VariantRun(name=run.name, micro_log=run.micro_log)
+            out[variant.name] = run
     return out
 
 
