@@ -5,9 +5,9 @@ core -- the measurement behind rlaudit/backends/launch/placement.py.
     python benchmarks/rank_placement.py --n 500
 
 For each message size: wall time per all-reduce and per all-gather, and the CPU (user, system)
-each rank spends on one -- the rank's whole process, gloo's threads included. Then the same with
-a one-scenario workload's placement in mind: where the CPU is the bottleneck (more ranks than
-cores), CPU per collective is what a replay pays. Run it on an idle machine.
+each rank spends on one -- the rank's whole process, gloo's threads included -- first with the
+two ranks free to run on any core, then with both on the first. Where the CPU is the bottleneck
+(more ranks than cores), CPU per collective is what a replay pays. Run it on an idle machine.
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ from hypothesis import HealthCheck, settings
 
 # CI has 2 cores and runs pytest-xdist with 2 workers: one intra-op thread per worker.
 torch.set_num_threads(int(os.environ.get("RLAUDIT_TEST_THREADS", "1")))
-# the `rlaudit run`s the tests start share the cores with the other xdist worker: a rank group
-# pinned to a core cannot move off it when that worker keeps it busy (the suite: 467 s with
-# ranks floating, 487 s placed). tests/backends/test_placement.py places on purpose.
+# the `rlaudit run`s the tests start share the cores with the other xdist worker, where a rank
+# group pinned to a core cannot move off it while that worker keeps it busy -- the case
+# RLAUDIT_PIN_RANKS=off is for. Measured once (467 s off, then 487 s on, while the VM was
+# slowing): not conclusive, but off keeps the suite as it was timed before placement.
+# tests/backends/test_placement.py places on purpose.
 os.environ.setdefault("RLAUDIT_PIN_RANKS", "off")
 
 settings.register_profile("ci", max_examples=40, deadline=None,

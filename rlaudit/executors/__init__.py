@@ -50,35 +50,34 @@ def process_threads() -> int:
     return threads
 
 
-def needed_pools(scenarios, backends: list[str] | None) -> list[tuple[str, int, str, int]]:
-    """``(pool name, world size, device, threads per rank)`` of every multi-rank replay the
-    scenarios will run in a warm pool, in the order of first use: the backends whose
-    ``rank_pool(layout)`` names a pool (an unavailable backend needs none; the reference
-    replays in-process)."""
+def _pooled(scn, backends: list[str] | None) -> list[tuple[str, int]]:
+    """``(pool name, world size)`` of each of ``scn``'s backends that replays in a warm pool: the
+    backends whose ``rank_pool(layout)`` names one (an unavailable backend needs none; the
+    reference replays in-process)."""
     from rlaudit.backends.registry import get_backend
     from rlaudit.scenarios.engine import planned_backends
 
-    keys: dict[tuple[str, int, str, int], None] = {}
-    for scn in scenarios:
-        for b in planned_backends(scn, backends)[0]:
-            backend = get_backend(b)
-            rank_pool = getattr(backend, "rank_pool", None)
-            if rank_pool is None or not backend.available()[0]:
-                continue
-            keys.setdefault((*rank_pool(scn.backends.get(b, {})), scn.device, 1))
-    return list(keys)
+    out = []
+    for b in planned_backends(scn, backends)[0]:
+        backend = get_backend(b)
+        rank_pool = getattr(backend, "rank_pool", None)
+        if rank_pool is not None and backend.available()[0]:
+            out.append(rank_pool(scn.backends.get(b, {})))
+    return out
+
+
+def needed_pools(scenarios, backends: list[str] | None) -> list[tuple[str, int, str, int]]:
+    """``(pool name, world size, device, threads per rank)`` of every multi-rank replay the
+    scenarios will run in a warm pool, in the order of first use."""
+    return list(dict.fromkeys((*pool, scn.device, 1) for scn in scenarios
+                              for pool in _pooled(scn, backends)))
 
 
 def groups_in_flight(scenarios, backends: list[str] | None, jobs: int) -> int:
     """How many multi-rank groups may replay at once: the ``jobs`` scenarios with the most
-    multi-rank backends, each running all of them concurrently (what the placement of the
-    pools' ranks on cores is sized for: rlaudit/backends/launch/placement.py)."""
-    from rlaudit.backends.registry import get_backend
-    from rlaudit.scenarios.engine import planned_backends
-
-    counts = sorted((sum(getattr(get_backend(b), "rank_pool", None) is not None
-                         for b in planned_backends(scn, backends)[0]) for scn in scenarios),
-                    reverse=True)
+    pooled backends, each running all of them concurrently (what the placement of the pools'
+    ranks on cores is sized for: rlaudit/backends/launch/placement.py)."""
+    counts = sorted((len(_pooled(scn, backends)) for scn in scenarios), reverse=True)
     return max(1, sum(counts[:max(1, jobs)]))
 
 

@@ -171,3 +171,16 @@ def test_failing_rank_is_reported_not_hung(mode):
     else:
         assert "SIGKILL" in text or "signal 9" in text or "-9" in text
     assert elapsed < 120
+
+
+def test_available_by_torch_version(monkeypatch):
+    from torch.torch_version import TorchVersion
+
+    assert FSDPBackend().available() == (True, "")
+    from torch.distributed.fsdp import fully_shard  # what "available" promises the ranks
+    assert callable(fully_shard)
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.5.1+cpu"))
+    ok, why = FSDPBackend().available()
+    assert not ok and "torch 2.5.1+cpu" in why and ">= 2.6" in why
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.6.0"))
+    assert FSDPBackend().available() == (True, "")

@@ -70,7 +70,10 @@ def test_placement_is_switched_off_by_the_environment_and_bad_values_are_input_e
     assert placement.PIN_ENV in str(raised.value) and "'auto' or 'off'" in str(raised.value)
     monkeypatch.setenv(placement.PIN_ENV, "auto")
     p = placement.for_groups(2)
-    assert p is None or p.cpus == sorted(os.sched_getaffinity(0))
+    if hasattr(os, "sched_setaffinity"):
+        assert p is not None and p.cpus == sorted(os.sched_getaffinity(0)) and p.share >= 1
+    else:  # nothing to pin with
+        assert p is None
 
 
 def test_groups_in_flight_count_the_multi_rank_backends_of_the_busiest_scenarios():

@@ -11,7 +11,7 @@ So when the groups that may run at once have more ranks than the machine has cor
 FSDP and Megatron groups on 2 cores, say), :class:`CorePlacement` gives each task a block of
 cores of its own -- ``cores // groups in flight`` of them, the least busy block when the task
 starts -- and the pool's ranks move all their threads onto it for the task
-(``_pool_worker.apply_placement``). With cores enough for every rank of every group in flight,
+(``_pool_worker.Placed``). With cores enough for every rank of every group in flight,
 nothing is pinned. Placement changes where ranks run, never what they compute (one intra-op
 thread per rank): results are bit for bit the same.
 
