@@ -151,13 +151,20 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
             res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0], {"traceback": err}))
-    if decl.noise() and ORACLE in runs:
-        attach_noise_floor(runs, scn, variants, decl.noise())
     ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
                        variants=variants)
-    for inv in scn.invariants:
-        res.checks.extend(apply_differences(check_invariant(inv, ctx, name, adapter,
-                                                            target.skipped), name, decl))
+
+    def checks() -> list[CheckResult]:
+        return [r for inv in scn.invariants for r in apply_differences(
+            check_invariant(inv, ctx, name, adapter, target.skipped), name, decl)]
+
+    found = checks()
+    if decl.noise() and ORACLE in runs and any(r.status not in CLEAN for r in found):
+        # the noise floor only ever widens a bound (see attach_noise_floor): checks that all
+        # pass without it pass with it, so it is measured only when one does not
+        attach_noise_floor(runs, scn, variants, decl.noise())
+        found = checks()
+    res.checks.extend(found)
     res.runs = runs
     if not res.passed:  # only a failure is localised: nothing extra runs otherwise
         from rlaudit.targets.localise import localise_target
@@ -179,11 +186,23 @@ def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:
                                tol_overrides={**scn.tol_overrides, **decl.run_overrides()})
 
 
+#: check statuses the noise floor cannot change: it is measured only when a check ends otherwise
+CLEAN = (PASS, NA)
+
+
 def attach_noise_floor(runs: dict, scn: Scenario, variants, noise: float) -> None:
     """Replay every variant on the reference with its weights perturbed by ``noise`` (the unit
     roundoff of the target's precision) and attach each result as ``run.noise`` to the runs of
     that variant on every backend: comparisons then allow a multiple of the spread rounding
-    causes in this scenario (rlaudit.scenarios.invariants.compare.NOISE_FACTOR)."""
+    causes in this scenario (rlaudit.scenarios.invariants.compare.NOISE_FACTOR).
+
+    The floor is slack added to a bound, never taken from one: a metric's ``atol + rtol * |want|``
+    gains ``NOISE_FACTOR * spread``, a per-token tensor's elementwise bound likewise, and the
+    parameters, compared elementwise without a floor, are compared per tensor in L2 with one
+    (``||got - want|| <= atol * sqrt(n) + rtol * ||want|| + floor``, which every elementwise pass
+    meets by the triangle inequality). A check that passes without the floor therefore passes
+    with it, and :func:`run_target_scenario` replays the noise only when some check does not
+    pass without it (about a third of a correct target's run-level time saved)."""
     request = ReplayRequest(model=str(scn.model), variants=variants,
                             ref_model=str(scn.ref_model) if scn.ref_model else None,
                             layout={}, dtype=scn.dtype, device=scn.device, weight_noise=noise)
