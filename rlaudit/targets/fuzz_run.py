@@ -12,7 +12,8 @@ with the invariants that need no variant beyond the base run (:data:`INVARIANTS`
 adapter does not support (``supports``, ``NotImplementedError``) or the reference rejects for
 the drawn rows are discarded, not counted as passed.
 
-An example costs three training runs (target, reference, the reference's noise-floor replay), so
+An example costs two or three training runs (target, reference, and the reference's noise-floor
+replay when a check does not pass without it), so
 Hypothesis only generates; the first failure is shrunk here, greedily and within a bound
 (:data:`MAX_SHRINKS` runs): the knobs back to their defaults (halves first), the rows back in
 order, then groups dropped, each change kept while the same invariant still fails. The result is
