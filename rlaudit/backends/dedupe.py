@@ -14,8 +14,11 @@ values it reads are those of a separate replay, since a replay is a function of 
 "Distinct" is judged on everything a backend is given per variant (:func:`variant_digest`: the
 config, steps, the batch's tensors, kinds and meta) plus the test-only fault injectors that apply
 to the variant by name (``$RLAUDIT_FAULT``, rlaudit/backends/faults.py): a fault aimed at
-``base`` makes ``base`` and ``base:short`` two replays. A probe re-run (drift localisation) or a
-batch that cannot be digested is always replayed. The reference backend keeps its own memo
+``base`` makes ``base`` and ``base:short`` two replays. The config's ``critic`` section counts
+only when a critic is used (``adv_estimator: gae``): no backend reads it otherwise, and
+``microbatch:1`` (actor and critic micro-batches of one row) is ``base`` in a scenario whose
+actor micro-batches are one row already (drgrpo_sum_norm, ppo_dual_clip). A probe re-run (drift
+localisation) or a batch that cannot be digested is always replayed. The reference backend keeps its own memo
 (rlaudit/backends/memo.py), across requests; this works within one request, on every backend.
 """
 
@@ -39,7 +42,10 @@ def variant_digest(variant: Variant) -> str | None:
     for a probe re-run or a batch that cannot be digested (e.g. a nested tensor)."""
     if variant.probe is not None:
         return None
-    head = {"steps": variant.steps, "config": to_dict(variant.config),
+    config = to_dict(variant.config)
+    if not variant.config.use_critic:   # never read then (rlaudit/update/step.py, the backends)
+        config.pop("critic", None)
+    head = {"steps": variant.steps, "config": config,
             "kinds": {k: str(v) for k, v in variant.batch.kinds.items()},
             "meta": variant.batch.meta}
     try:

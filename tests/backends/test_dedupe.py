@@ -25,12 +25,15 @@ MODEL = os.path.abspath(os.path.join(ROOT, "models", "qwen2-tiny-short"))
 ROLLOUT = os.path.abspath(os.path.join(ROOT, "rollouts", "short-ref.safetensors"))
 
 
+def _cfg_dict(**actor):
+    return {"rollout": {"n": 4, "response_length": 12},
+            "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 2,
+                      "calculate_entropy": True, "optim": {"name": "sgd", "lr": 0.05}, **actor},
+            "trainer": {"dtype": "float64"}}
+
+
 def _cfg(**actor):
-    return load_config({"rollout": {"n": 4, "response_length": 12},
-                        "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 2,
-                                  "calculate_entropy": True,
-                                  "optim": {"name": "sgd", "lr": 0.05}, **actor},
-                        "trainer": {"dtype": "float64"}})
+    return load_config(_cfg_dict(**actor))
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +164,25 @@ def test_scenario_checks_are_those_of_replaying_every_name(monkeypatch):
     assert lines(deduped) == lines(full)
     for name, run in full.runs["reference"].items():
         assert _same(deduped.runs["reference"][name], run), name
+
+
+def test_the_critic_section_counts_only_with_a_critic(batch):
+    """No backend reads ``critic.*`` unless adv_estimator is gae: without a critic, two variants
+    that differ there only are one replay -- and replayed apart (memo off) they are bit for bit
+    the same; with a critic they are two."""
+    def pair(**algo):
+        a = Variant("base", load_config({**_cfg_dict(), "algorithm": algo}), batch, steps=1)
+        b = Variant("microbatch:1", with_overrides(a.config, **{
+            "critic.ppo_micro_batch_size_per_gpu": 1, "critic.optim.lr": 0.5}), batch, steps=1)
+        return a, b
+
+    a, b = pair(adv_estimator="grpo")
+    keep, aliases = dedupe.distinct([a, b], backend="megatron")
+    assert _names(keep) == ["base"] and aliases == {"microbatch:1": "base"}
+    request = ReplayRequest(model=MODEL, variants=[a, b], dtype="float64")
+    with memo.disabled():
+        runs = ReferenceBackend().replay(request)   # both replayed (no dedupe here)
+    assert _same(runs["base"], runs["microbatch:1"])
+
+    keep, aliases = dedupe.distinct(list(pair(adv_estimator="gae")), backend="megatron")
+    assert _names(keep) == ["base", "microbatch:1"] and aliases == {}
