@@ -4,8 +4,8 @@ A scenario's invariants each ask for the runs they compare, by name, and differe
 often ask for the same run under two names: ``microbatch-invariance``'s baseline ``base:short``
 (the scenario's config, at most two steps) *is* ``base`` when the scenario has two steps or
 fewer; an ``onpolicy`` variant is ``base`` when the scenario has one step; a ``cfg:agg:MODE``
-variant is ``onpolicy`` when MODE is the scenario's own. Over the 29 shipped scenarios, 77 of 597
-scenario x backend x variant replays repeated another under a new name -- on the multi-rank
+variant is ``onpolicy`` when MODE is the scenario's own. Over the 31 shipped scenarios, 86 of 618
+scenario x backend x variant replays repeat another under a new name -- on the multi-rank
 backends, each of them a full replay of the same inputs through the same code.
 
 :func:`replay_distinct` sends a backend each distinct variant once and hands every other name a
