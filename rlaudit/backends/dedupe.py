@@ -18,8 +18,9 @@ to the variant by name (``$RLAUDIT_FAULT``, rlaudit/backends/faults.py): a fault
 only when a critic is used (``adv_estimator: gae``): no backend reads it otherwise, and
 ``microbatch:1`` (actor and critic micro-batches of one row) is ``base`` in a scenario whose
 actor micro-batches are one row already (drgrpo_sum_norm, ppo_dual_clip). A probe re-run (drift
-localisation) or a batch that cannot be digested is always replayed. The reference backend keeps its own memo
-(rlaudit/backends/memo.py), across requests; this works within one request, on every backend.
+localisation) or a batch that cannot be digested is always replayed. The reference backend keeps
+its own memo (rlaudit/backends/memo.py), across requests; this works within one request, on every
+backend.
 """
 
 from __future__ import annotations
