@@ -2,8 +2,7 @@
 
 ``rlaudit run`` spends its last seconds, after every replay and check, on the report (matplotlib)
 and MLflow (mlflow, its SQL store, sqlalchemy): about 2.5 CPU-seconds of imports on one core
-while the other idles, and about 1 s more when the sqlite store is new (MLflow's schema
-migrations: the store is created here too, whole, under its lock -- rlaudit/report/mlflow_guard.py). :func:`warm_report_imports` moves them into a background thread started
+while the other idles. :func:`warm_report_imports` moves them into a background thread started
 while this process has nothing else to import -- the local executor calls it once the first
 in-process replay is back, when the rest of that scenario's time is spent in other processes'
 ranks. It only imports (matplotlib is set to Agg first, as the report does); any failure is
@@ -51,14 +50,5 @@ def _import_all(mlflow_uri: str | None) -> None:
 
         if is_database_uri(mlflow_uri):
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-
-            from rlaudit.report.mlflow_guard import open_store_lock, sqlite_path
-
-            db = sqlite_path(mlflow_uri)
-            if db is not None and (not db.exists() or db.stat().st_size == 0):
-                # a new sqlite store: its ~50 schema migrations (~1 s) now, not in the tail;
-                # created whole under the store's lock, which the logging then waits on
-                with open_store_lock(mlflow_uri):
-                    pass
     except Exception:  # noqa: BLE001 - the report / MLflow logging meets it and says so
         pass
