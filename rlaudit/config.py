@@ -285,6 +285,17 @@ def to_dict(obj) -> dict[str, Any]:
     return conv(obj)
 
 
+def replayed_dict(cfg: Config) -> dict[str, Any]:
+    """``to_dict(cfg)`` less what no replay reads: the ``critic`` section when no critic is used
+    (rlaudit/update/step.py and every backend build and read a critic only for gae). Two configs
+    with the same replayed_dict replay alike (rlaudit/backends/dedupe.py, the degenerate-variant
+    check of rlaudit/scenarios/validate.py)."""
+    out = to_dict(cfg)
+    if not cfg.use_critic:
+        out.pop("critic", None)
+    return out
+
+
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"actor": {"optim": {"lr": 1}}} -> {"actor.optim.lr": 1}."""
     out: dict[str, Any] = {}

@@ -15,7 +15,7 @@ values it reads are those of a separate replay, since a replay is a function of 
 config, steps, the batch's tensors, kinds and meta) plus the test-only fault injectors that apply
 to the variant by name (``$RLAUDIT_FAULT``, rlaudit/backends/faults.py): a fault aimed at
 ``base`` makes ``base`` and ``base:short`` two replays. The config's ``critic`` section counts
-only when a critic is used (``adv_estimator: gae``): no backend reads it otherwise, and
+only when a critic is used (``adv_estimator: gae``; :func:`rlaudit.config.replayed_dict`), and
 ``microbatch:1`` (actor and critic micro-batches of one row) is ``base`` in a scenario whose
 actor micro-batches are one row already (drgrpo_sum_norm, ppo_dual_clip). A probe re-run (drift
 localisation) or a batch that cannot be digested is always replayed. The reference backend keeps
@@ -33,7 +33,7 @@ from typing import Callable
 
 from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
-from rlaudit.config import to_dict
+from rlaudit.config import replayed_dict
 from rlaudit.data.io import rollout_sha256
 
 
@@ -43,10 +43,7 @@ def variant_digest(variant: Variant) -> str | None:
     for a probe re-run or a batch that cannot be digested (e.g. a nested tensor)."""
     if variant.probe is not None:
         return None
-    config = to_dict(variant.config)
-    if not variant.config.use_critic:   # never read then (rlaudit/update/step.py, the backends)
-        config.pop("critic", None)
-    head = {"steps": variant.steps, "config": config,
+    head = {"steps": variant.steps, "config": replayed_dict(variant.config),
             "kinds": {k: str(v) for k, v in variant.batch.kinds.items()},
             "meta": variant.batch.meta}
     try:

@@ -271,7 +271,7 @@ def replay_problems(scn, batch, variants) -> list[InputError]:
 
 def _cut(scn, v) -> tuple[tuple, list[tuple[str, str]]]:
     """(the effective cut of variant ``v``: per epoch, per mini-batch, its micro-batches as row
-    tuples, actor then critic; problems as (key, message))."""
+    tuples, actor then critic when one is used; problems as (key, message))."""
     from rlaudit.data.batching import (plan_microbatches_by_count, plan_microbatches_by_tokens,
                                        plan_minibatches)
     cfg, batch = v.config, v.batch
@@ -307,7 +307,9 @@ def _cut(scn, v) -> tuple[tuple, list[tuple[str, str]]]:
                                "token with response_mask True: its optimizer step trains on "
                                "nothing and every check of it compares nothing"))
             pieces = []
-            for size in (act.ppo_micro_batch_size_per_gpu, cfg.critic.ppo_micro_batch_size_per_gpu):
+            sizes = (act.ppo_micro_batch_size_per_gpu,) + (
+                (cfg.critic.ppo_micro_batch_size_per_gpu,) if cfg.use_critic else ())
+            for size in sizes:
                 plan = (plan_microbatches_by_tokens(lengths[mb], act.ppo_max_token_len_per_gpu)
                         if act.use_dynamic_bsz else plan_microbatches_by_count(len(mb), size))
                 pieces.append(tuple(tuple(mb[p].tolist()) for p in plan))
@@ -316,9 +318,9 @@ def _cut(scn, v) -> tuple[tuple, list[tuple[str, str]]]:
 
 
 def _signature(v, cut) -> tuple:
-    from rlaudit.config import flatten, to_dict
+    from rlaudit.config import flatten, replayed_dict
     from rlaudit.data.io import rollout_sha256
-    cfg = {k: val for k, val in flatten(to_dict(v.config)).items() if k not in CUT_KEYS}
+    cfg = {k: val for k, val in flatten(replayed_dict(v.config)).items() if k not in CUT_KEYS}
     return (rollout_sha256(v.batch), v.steps, json.dumps(cfg, sort_keys=True, default=str), cut)
 
 

@@ -186,3 +186,18 @@ def test_the_critic_section_counts_only_with_a_critic(batch):
 
     keep, aliases = dedupe.distinct(list(pair(adv_estimator="gae")), backend="megatron")
     assert _names(keep) == ["base", "microbatch:1"] and aliases == {}
+
+    # the scenario validator's "an invariant has nothing to compare" judges by the same rule
+    from types import SimpleNamespace
+
+    from rlaudit.scenarios import validate
+
+    def signature(v):
+        cut, issues = validate._cut(SimpleNamespace(backends={}), v)
+        assert not issues
+        return validate._signature(v, cut)
+
+    a, b = pair(adv_estimator="grpo")
+    assert signature(a) == signature(b)
+    a, b = pair(adv_estimator="gae")
+    assert signature(a) != signature(b)
