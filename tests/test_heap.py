@@ -62,6 +62,34 @@ print(inside, during, after, gc.isenabled(), gc.get_freeze_count() > 10000)
 """
 
 
+NO_COLLECT = """
+import gc, sys
+sys.path[:0] = [%r]
+from rlaudit import heap
+full = []
+gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2
+                    and full.append(1))
+inner = {"default": None, "collect": True}[sys.argv[1]]
+with heap.importing(collect=False):  # the forkserver's preload
+    import torch
+    with heap.importing(collect=inner):  # the model-code import inside it (hf_import)
+        import json.tool
+print(len(full), gc.get_freeze_count() > 10000, gc.isenabled())
+"""
+
+
+def test_an_import_only_process_freezes_without_a_collection_unless_a_block_asks_for_one():
+    def run(inner):
+        out = subprocess.run([sys.executable, "-c", NO_COLLECT % str(REPO), inner],
+                             capture_output=True, text=True, timeout=300)
+        return out.stdout.split() or [out.stderr[-2000:]]
+
+    # the nested block follows the outer one: frozen, no full collection at all
+    assert run("default") == ["0", "True", "True"]
+    # a block that asks for the collection gets it, once, at the end
+    assert run("collect") == ["1", "True", "True"]
+
+
 def _importing(mode: str) -> list[str]:
     out = subprocess.run([sys.executable, "-c", IMPORTING % str(REPO), mode],
                          capture_output=True, text=True, timeout=300)

@@ -227,6 +227,12 @@ def test_results_do_not_depend_on_what_ran_before_in_the_pool():
 # ----------------------------------------------------------------------------- start methods
 
 
+def _has_megatron() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None
+
+
 def _start_state(info):
     """What a pool rank looked like when its first task started: its parent, and whether the
     heavy modules were there before this task imported anything."""
@@ -235,7 +241,10 @@ def _start_state(info):
     heavy = ("transformers.models.qwen2.modeling_qwen2", "rlaudit.backends.fsdp",
              "torch.distributed.fsdp")
     return {"pid": os.getpid(), "ppid": os.getppid(),
-            "preloaded": {m: m in sys.modules for m in heavy}}
+            "preloaded": {m: m in sys.modules for m in heavy},
+            "megatron": "megatron.core" in sys.modules,
+            # megatron-core's torch.compile wrappers are deferred (megatron/imports.py)
+            "compiler": "torch._inductor.compile_fx" in sys.modules}
 
 
 @pytest.mark.slow
@@ -253,6 +262,7 @@ def test_cpu_pool_ranks_are_forked_from_the_preloaded_forkserver(monkeypatch):
     assert [r["ppid"] for r in out] == [server, server]  # forked by the forkserver, not spawned
     for r in out:
         assert all(r["preloaded"].values()), r["preloaded"]  # imported before the task came
+        assert r["megatron"] == _has_megatron() and not r["compiler"], r
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ is specific to its task.
 
 What may happen here, and what may not:
 
-- imports only (under ``rlaudit.heap.importing()``: one collection and a freeze of what they
-  built, at the end): no tensor is computed, no thread pool started, no CUDA touched (a forked
+- imports only (under ``rlaudit.heap.importing(collect=False)``: a freeze of what they built, at
+  the end, without a collection first): no tensor is computed, no thread pool started, no CUDA touched (a forked
   child cannot use a CUDA context or an OpenMP pool its parent created; CUDA pools are spawned);
 - third-party chatter (megatron's "Transformer Engine and Apex are not installed" warnings)
   goes nowhere unless ``$RLAUDIT_PRELOAD_LOG`` names a file (set it to debug the preload): this
@@ -52,7 +52,7 @@ MODULES = (
     "rlaudit.backends.fsdp",
     "rlaudit.model.load",
     "rlaudit.update.step",
-    "megatron.core",
+    "rlaudit.backends.megatron.imports:import_megatron",  # megatron.core, compile deferred
     "megatron.core.parallel_state",
     "megatron.core.tensor_parallel",
     "megatron.core.tensor_parallel.random",
@@ -102,10 +102,11 @@ if os.environ.get("RLAUDIT_PRELOAD_ACTIVE") == "1":  # only inside the forkserve
     import warnings
 
     # what is imported here lives as long as every rank forked from this process: no
-    # collection on the way, one and a freeze at the end (rlaudit/heap.py)
+    # collection on the way, and a freeze at the end without one -- this process has done
+    # nothing but import (rlaudit/heap.py)
     from rlaudit.heap import importing
 
-    with warnings.catch_warnings(), importing():
+    with warnings.catch_warnings(), importing(collect=False):
         warnings.simplefilter("ignore")
         FAILED = preload()
     sys.stderr.write(f"[rlaudit preload] {len(MODULES) - len(FAILED)} modules in "

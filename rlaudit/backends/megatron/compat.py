@@ -292,6 +292,9 @@ def init_megatron(tp: int = 1, pp: int = 1, *, seed: int = 1234) -> None:
     if world % (tp * pp):
         raise InputError(f"world size {world} is not divisible by tp*pp = {tp * pp}",
                          source="init_megatron", key="tp, pp")
+    from rlaudit.backends.megatron.imports import import_megatron
+
+    import_megatron()  # a spawned rank's first import: torch.compile's wrappers deferred
     apply_cpu_patches()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
