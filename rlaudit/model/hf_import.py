@@ -17,6 +17,14 @@ Nothing is hidden when the module is imported already or scikit-learn is loaded 
 left to save). When the import fails with scikit-learn hidden -- transformers had already
 answered "installed" and so imports it, or a release needs it there -- the module is imported
 again with nothing hidden and transformers' cached answer dropped.
+
+SciPy the same way: ``transformers.modeling_utils`` (every model class's base) imports the loss
+registry, whose DETR-family object-detection losses import ``scipy.optimize`` (for
+``linear_sum_assignment``) when SciPy is installed -- 0.3-0.35 s here, and nothing else in a
+forkserver's preload or a reference run imports SciPy. transformers has asked whether SciPy is
+installed by the end of ``import transformers`` already, so its cached answer is dropped before
+the hidden import (it then answers "not installed" in this process, consistently: those losses
+would say so). :func:`import_model_code` imports that module the same way after the first.
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ import sys
 
 #: the transformers module that imports scikit-learn
 SKLEARN_USER = "transformers.generation.candidate_generator"
+#: the transformers module whose imports bring SciPy (the loss registry), and transformers' cached
+#: check of it
+SCIPY_USER = "transformers.modeling_utils"
+SCIPY_CHECK = "is_scipy_available"
 
 
 def import_model_code() -> bool:
@@ -35,7 +47,9 @@ def import_model_code() -> bool:
     from rlaudit.heap import importing
 
     with importing():  # most of transformers: no full collections on the way (rlaudit/heap.py)
-        return _import_without_sklearn()
+        hidden = _import_without_sklearn()
+        _import_without_scipy()
+        return hidden
 
 
 def _import_without_sklearn() -> bool:
@@ -54,4 +68,32 @@ def _import_without_sklearn() -> bool:
 
         import_utils.is_sklearn_available.cache_clear()
         __import__(SKLEARN_USER)
+    return hidden
+
+
+def _import_without_scipy() -> bool:
+    """Import :data:`SCIPY_USER` with SciPy hidden and transformers' cached "installed" answer
+    dropped; True when it stayed hidden. Nothing is hidden when the module or SciPy is loaded
+    already, or transformers has no such check (another release)."""
+    if SCIPY_USER in sys.modules or "scipy" in sys.modules:
+        return False
+    from transformers.utils import import_utils
+
+    check = getattr(import_utils, SCIPY_CHECK, None)
+    if not hasattr(check, "cache_clear"):
+        return False
+    check.cache_clear()
+    sys.modules["scipy"] = None  # type: ignore[assignment]
+    try:
+        __import__(SCIPY_USER)
+    except ImportError:
+        hidden = False
+    else:
+        hidden = True
+    finally:
+        if "scipy" in sys.modules and sys.modules["scipy"] is None:
+            del sys.modules["scipy"]
+    if not hidden:  # it needed SciPy after all: the truth, and the module, again
+        check.cache_clear()
+        __import__(SCIPY_USER)
     return hidden

@@ -25,9 +25,13 @@ with torch.no_grad():
     logits = model(input_ids=ids).logits
 loaded = "sklearn" in sys.modules
 never_left_hidden = sys.modules.get("sklearn", 0) is not None
+scipy_hidden = hf_import.SCIPY_USER in sys.modules and "scipy" not in sys.modules
+scipy_left = sys.modules.get("scipy", 0) is not None
 import sklearn.metrics  # importable afterwards
+import scipy.optimize
 print(json.dumps({{"hidden": hidden, "sklearn_loaded": loaded, "logits": logits.flatten().tolist(),
-                  "never_left_hidden": never_left_hidden}}))
+                  "never_left_hidden": never_left_hidden, "scipy_hidden": scipy_hidden,
+                  "scipy_never_left_hidden": scipy_left}}))
 """
 
 
@@ -50,6 +54,45 @@ def test_model_loads_without_sklearn_and_computes_the_same_logits():
     assert (usual["hidden"], usual["sklearn_loaded"]) == (False, True)
     assert hidden["never_left_hidden"] and usual["never_left_hidden"]
     assert hidden["logits"] == usual["logits"]  # bit for bit
+
+
+@pytest.mark.slow
+def test_model_loads_without_scipy_and_computes_the_same_logits():
+    pytest.importorskip("scipy")
+    hidden = _run(_LOAD.format(before="", model=str(MODEL)))
+    # SciPy loaded before: nothing to hide, the model code imports it -- the reference logits
+    usual = _run(_LOAD.format(before="import scipy", model=str(MODEL)))
+    assert hidden["scipy_hidden"] and not usual["scipy_hidden"]
+    assert hidden["scipy_never_left_hidden"] and usual["scipy_never_left_hidden"]
+    assert hidden["logits"] == usual["logits"]  # bit for bit
+
+
+_NEEDS_SCIPY = """
+import json, sys
+sys.path.insert(0, {tmp!r})
+import transformers
+from rlaudit.model import hf_import
+hf_import.SCIPY_USER = "needs_scipy"
+hidden = hf_import._import_without_scipy()
+from transformers.utils import import_utils
+print(json.dumps({{"hidden": hidden, "ok": sys.modules["needs_scipy"].f is not None,
+                  "hidden_entry": sys.modules.get("scipy", 0) is None,
+                  "answer": import_utils.is_scipy_available(),
+                  "asked": sys.modules["needs_scipy"].ASKED}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_release_that_needs_scipy_there_gets_it_and_the_true_answer(tmp_path):
+    pytest.importorskip("scipy")
+    # asks transformers first, as its loss module does, then needs SciPy regardless
+    (tmp_path / "needs_scipy.py").write_text(
+        "from transformers.utils import is_scipy_available\n"
+        "ASKED = is_scipy_available()\n"
+        "from scipy.optimize import linear_sum_assignment as f\n")
+    got = _run(_NEEDS_SCIPY.format(tmp=str(tmp_path)))
+    assert got == {"hidden": False, "ok": True, "hidden_entry": False, "answer": True,
+                   "asked": True}
 
 
 _NEEDS = """
