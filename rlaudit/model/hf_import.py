@@ -40,9 +40,11 @@ SCIPY_CHECK = "is_scipy_available"
 
 
 def import_model_code() -> bool:
-    """Import :data:`SKLEARN_USER` with scikit-learn hidden, if that still saves anything.
-    Returns whether it stayed hidden (False: imported with scikit-learn, or nothing to do)."""
-    if SKLEARN_USER in sys.modules or "sklearn" in sys.modules:
+    """Import :data:`SKLEARN_USER` with scikit-learn hidden, then :data:`SCIPY_USER` with SciPy
+    hidden, each if that still saves anything. Returns whether scikit-learn stayed hidden (False:
+    imported with it, or nothing to do)."""
+    if all(module in sys.modules or package in sys.modules
+           for package, module in (("sklearn", SKLEARN_USER), ("scipy", SCIPY_USER))):
         return False
     from rlaudit.heap import importing
 
@@ -53,47 +55,42 @@ def import_model_code() -> bool:
 
 
 def _import_without_sklearn() -> bool:
-    sys.modules["sklearn"] = None  # type: ignore[assignment]
-    try:
-        __import__(SKLEARN_USER)
-    except ImportError:
-        hidden = False
-    else:
-        hidden = True
-    finally:
-        if "sklearn" in sys.modules and sys.modules["sklearn"] is None:
-            del sys.modules["sklearn"]
-    if not hidden:  # it needed scikit-learn after all: the truth, and the module, again
-        from transformers.utils import import_utils
-
-        import_utils.is_sklearn_available.cache_clear()
-        __import__(SKLEARN_USER)
-    return hidden
+    # transformers has not asked yet (the module's import asks first): nothing to drop
+    return _import_hiding("sklearn", SKLEARN_USER, "is_sklearn_available", ask_again=False)
 
 
 def _import_without_scipy() -> bool:
-    """Import :data:`SCIPY_USER` with SciPy hidden and transformers' cached "installed" answer
-    dropped; True when it stayed hidden. Nothing is hidden when the module or SciPy is loaded
-    already, or transformers has no such check (another release)."""
-    if SCIPY_USER in sys.modules or "scipy" in sys.modules:
+    # transformers has asked by the end of its own import: its cached answer is dropped first
+    return _import_hiding("scipy", SCIPY_USER, SCIPY_CHECK, ask_again=True)
+
+
+def _import_hiding(package: str, module: str, check: str, *, ask_again: bool) -> bool:
+    """Import ``module`` with ``package`` hidden; True when it stayed hidden. ``check``:
+    transformers' cached "is it installed" function, dropped first with ``ask_again``; when the
+    import fails hidden, the answer is dropped and the module imported again with nothing
+    hidden. Nothing is hidden when the module or the package is loaded already, or (with
+    ``ask_again``) transformers has no such cached check (another release)."""
+    if module in sys.modules or package in sys.modules:
         return False
     from transformers.utils import import_utils
 
-    check = getattr(import_utils, SCIPY_CHECK, None)
-    if not hasattr(check, "cache_clear"):
-        return False
-    check.cache_clear()
-    sys.modules["scipy"] = None  # type: ignore[assignment]
+    cached = getattr(import_utils, check, None)
+    if ask_again:
+        if not hasattr(cached, "cache_clear"):
+            return False
+        cached.cache_clear()
+    sys.modules[package] = None  # type: ignore[assignment]
     try:
-        __import__(SCIPY_USER)
+        __import__(module)
     except ImportError:
         hidden = False
     else:
         hidden = True
     finally:
-        if "scipy" in sys.modules and sys.modules["scipy"] is None:
-            del sys.modules["scipy"]
-    if not hidden:  # it needed SciPy after all: the truth, and the module, again
-        check.cache_clear()
-        __import__(SCIPY_USER)
+        if package in sys.modules and sys.modules[package] is None:
+            del sys.modules[package]
+    if not hidden:  # it needed the package after all: the truth, and the module, again
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+        __import__(module)
     return hidden
