@@ -9,8 +9,9 @@ is specific to its task.
 What may happen here, and what may not:
 
 - imports only (under ``rlaudit.heap.importing(collect=False)``: a freeze of what they built, at
-  the end, without a collection first): no tensor is computed, no thread pool started, no CUDA touched (a forked
-  child cannot use a CUDA context or an OpenMP pool its parent created; CUDA pools are spawned);
+  the end, without a collection first): no tensor is computed, no thread pool started, no CUDA
+  touched (a forked child cannot use a CUDA context or an OpenMP pool its parent created; CUDA
+  pools are spawned);
 - third-party chatter (megatron's "Transformer Engine and Apex are not installed" warnings)
   goes nowhere unless ``$RLAUDIT_PRELOAD_LOG`` names a file (set it to debug the preload): this
   process's output is never the user's;
