@@ -23,18 +23,20 @@ registry, whose DETR-family object-detection losses import ``scipy.optimize`` (f
 ``linear_sum_assignment``) when SciPy is installed -- 0.3-0.35 s here, and nothing else in a
 forkserver's preload or a reference run imports SciPy. transformers has asked whether SciPy is
 installed by the end of ``import transformers`` already, so its cached answer is dropped before
-the hidden import (it then answers "not installed" in this process, consistently: those losses
-would say so). :func:`import_model_code` imports that module the same way after the first.
+the hidden import; it then answers "not installed" in this process, consistently, to the only
+code that asks: those losses and a few vision and audio models (segmentation, detection, pose,
+FNet, Pop2Piano), none of which an RL trainer of language models loads.
+:func:`import_model_code` imports that module the same way after the first.
 """
 
 from __future__ import annotations
 
 import sys
 
-#: the transformers module that imports scikit-learn
+#: the transformers module that imports scikit-learn, and transformers' cached check of it
 SKLEARN_USER = "transformers.generation.candidate_generator"
-#: the transformers module whose imports bring SciPy (the loss registry), and transformers' cached
-#: check of it
+SKLEARN_CHECK = "is_sklearn_available"
+#: the transformers module whose imports bring SciPy (the loss registry), and the check
 SCIPY_USER = "transformers.modeling_utils"
 SCIPY_CHECK = "is_scipy_available"
 
@@ -56,7 +58,7 @@ def import_model_code() -> bool:
 
 def _import_without_sklearn() -> bool:
     # transformers has not asked yet (the module's import asks first): nothing to drop
-    return _import_hiding("sklearn", SKLEARN_USER, "is_sklearn_available", ask_again=False)
+    return _import_hiding("sklearn", SKLEARN_USER, SKLEARN_CHECK, ask_again=False)
 
 
 def _import_without_scipy() -> bool:

@@ -24,10 +24,6 @@ import functools
 import sys
 import threading
 
-#: what :func:`import_megatron` imports (the modules every megatron replay needs)
-MEGATRON_MODULES = ("megatron.core",)
-
-
 def deferred_compile(compile_fn):
     """A stand-in for ``compile_fn`` (``torch.compile``) that calls it on the decorated
     function's first call instead of at decoration; used bare (``@deferred``) or with arguments
@@ -52,19 +48,16 @@ def deferred_compile(compile_fn):
     return deferred
 
 
-def import_megatron(modules=MEGATRON_MODULES) -> None:
-    """Import ``modules`` (megatron-core) with ``torch.compile`` deferred while they load (see
-    the module docstring). Nothing is deferred when megatron-core is imported already."""
+def import_megatron() -> None:
+    """Import megatron-core with ``torch.compile`` deferred while it loads (see the module
+    docstring); nothing to do when it is imported already."""
     if "megatron.core" in sys.modules:
-        for name in modules:
-            __import__(name)
         return
     import torch
 
     real = torch.compile
     torch.compile = deferred_compile(real)
     try:
-        for name in modules:
-            __import__(name)
+        import megatron.core  # noqa: F401
     finally:
         torch.compile = real
