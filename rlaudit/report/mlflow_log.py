@@ -1,7 +1,7 @@
 """Log one ``rlaudit run`` invocation to MLflow: a parent run, a child run per scenario x backend.
 
 Parent run (tag ``rlaudit.kind=invocation``): the invocation's report (report.html, report.md,
-plots/*.png) and results.json as artifacts; metrics ``scenarios_total``/``scenarios_passed``.
+plots/*.svg and *.png) and results.json as artifacts; metrics ``scenarios_total``/``scenarios_passed``.
 Child run (tag ``rlaudit.kind=scenario``, ``mlflow.parentRunId``):
 
 - params: the flattened scenario config (``actor.entropy_coeff`` ...), ``layout.<dim>``, ``dtype``,
@@ -387,7 +387,7 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
                 if not report_files:
                     raise FileNotFoundError("no rendered report given")
                 for f in map(Path, report_files):  # already rendered: attach (plots under plots/)
-                    dest = rep / "plots" / f.name if f.suffix == ".png" else rep / f.name
+                    dest = rep / "plots" / f.name if f.suffix in (".png", ".svg") else rep / f.name
                     dest.parent.mkdir(exist_ok=True)
                     shutil.copyfile(f, dest)
             except OSError:  # not given, or replaced meanwhile by a concurrent invocation's

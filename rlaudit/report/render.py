@@ -1,5 +1,5 @@
 """Building blocks shared by the run report and the drift report: a self-contained HTML page
-(inline CSS, plots embedded as base64 PNG), coloured status cells, Markdown and plain-text
+(inline CSS, plots embedded as base64 PNG or SVG), coloured status cells, Markdown and plain-text
 tables, matplotlib figures rendered off-screen, and atomic file writes.
 
 Nothing here knows about scenarios or MLflow; callers pass rows of already-formatted cells.
@@ -128,9 +128,11 @@ def stats(items: Sequence[tuple[str, object]]) -> str:
     return f'<div class="stats">{cards}</div>'
 
 
-def img(png: bytes, alt: str) -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f'<img class="plot" alt="{esc(alt)}" src="data:image/png;base64,{data}">'
+def img(image: bytes, alt: str) -> str:
+    """``image`` (PNG or SVG bytes) embedded in the page as a data URI."""
+    mime = "image/svg+xml" if image.lstrip()[:4] in (b"<svg", b"<?xm") else "image/png"
+    data = base64.b64encode(image).decode("ascii")
+    return f'<img class="plot" alt="{esc(alt)}" src="data:{mime};base64,{data}">'
 
 
 def page(title: str, subtitle: str, body: Sequence[str]) -> str:

@@ -1,5 +1,5 @@
 """The report of one ``rlaudit run`` invocation: ``<report_dir>/latest/report.html``
-(self-contained: inline CSS, plots as base64 PNG) and ``report.md`` (plots under ``plots/``).
+(self-contained: inline CSS, plots embedded) and ``report.md`` (plots under ``plots/``).
 
 For every scenario: the verdict, the invariant x backend table, failures with their messages,
 backend crashes, golden comparisons (value / golden / drift / tolerance) and a plot of every
@@ -11,12 +11,12 @@ golden-compared metric over the training steps, one line per backend, with the g
 from __future__ import annotations
 
 import datetime as _dt
-import math
 from pathlib import Path
 
 from rlaudit.metrics import golden_names
 from rlaudit.report import localise_view as LV
 from rlaudit.report import render as R
+from rlaudit.report import svg
 from rlaudit.scenarios.result import STATUS_ORDER as RESULT_STATUS_ORDER
 from rlaudit.scenarios.result import (FAILED, NO_GOLDEN_STATE, PASSED, STATES, ScenarioResult)
 
@@ -84,12 +84,13 @@ PLOTTED_METRICS = ("actor/pg_loss", "actor/loss", "actor/entropy", "actor/grad_n
 
 
 def plot_metrics(res: ScenarioResult) -> bytes | None:
-    """PNG grid: one subplot per golden-compared metric, value over steps per backend, with the
-    golden value +/- its tolerance (of the first backend that has one) as a grey error bar."""
+    """SVG grid (rlaudit/report/svg.py): one panel per plotted metric, value over steps per
+    backend, with the golden value +/- its tolerance (of the first backend that has one) as grey
+    error bars; the title of a metric out of its golden tolerance in red."""
     logged = golden_names({n for steps in res.metrics.values() for s in steps for n in s})
     failing = {r["metric"] for r in golden_rows(res) if not r.get("ok")}
-    # the headline metrics plus every failing one: dozens of subplots per scenario cost seconds
-    # each to lay out and say less than the golden table next to them
+    # the headline metrics plus every failing one: they say more than dozens of panels would,
+    # next to the golden table
     names = [n for n in logged if n in PLOTTED_METRICS or n in failing]
     if not names:
         return None
@@ -99,44 +100,24 @@ def plot_metrics(res: ScenarioResult) -> bytes | None:
             bound = r["atol"] + r["rtol"] * abs(r["golden"])
             band.setdefault((g.backend, r["metric"]), []).append(
                 (r["step"], r["golden"] - bound, r["golden"] + bound))
-    plt = R.pyplot()
-    ncols = min(PLOT_COLUMNS, len(names))
-    nrows = math.ceil(len(names) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.4 * nrows + 0.6),
-                             squeeze=False, layout="constrained")
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, name in zip(axes.flat, names):
-        for g in res.golden:  # the first backend with a golden for this metric
-            pts = sorted(band.get((g.backend, name), []))
-            if pts:
-                xs = [p[0] for p in pts]
-                mid = [(p[1] + p[2]) / 2 for p in pts]
-                ax.errorbar(xs, mid, yerr=[(p[2] - p[1]) / 2 for p in pts], fmt="s", ms=9,
-                            mfc="none", mec="0.35", ecolor="0.6", capsize=6, zorder=1,
-                            label="golden ± tol")
-                break
-        for i, b in enumerate(res.backends):
+    colour = {b: svg.PALETTE[i % len(svg.PALETTE)] for i, b in enumerate(res.backends)}
+    panels = []
+    for name in names:
+        pts = next((sorted(band[(g.backend, name)]) for g in res.golden
+                    if band.get((g.backend, name))), [])  # the first backend with a golden
+        series = []
+        for b in res.backends:
             steps = res.metrics.get(b, [])
             xs = [k for k, s in enumerate(steps) if name in s]
             if xs:
-                ax.plot(xs, [steps[k][name] for k in xs], marker="o", markersize=4,
-                        color=colours[i % len(colours)], label=b, zorder=2)
-        bad = name in failing
-        ax.set_title(name, fontsize=9, color="#cf222e" if bad else "black",
-                     fontweight="bold" if bad else "normal")
-        ax.tick_params(labelsize=7)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("step", fontsize=7)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8,
-                   frameon=False)
-    fig.suptitle(f"{res.scenario}: metrics over training steps (red title: golden mismatch)",
-                 fontsize=10)
-    return R.fig_png(fig)
+                series.append(svg.Series(b, xs, [steps[k][name] for k in xs], colour[b]))
+        panels.append(svg.Panel(name, series, flagged=name in failing,
+                                band=svg.Band([p[0] for p in pts], [p[1] for p in pts],
+                                              [p[2] for p in pts]) if pts else None))
+    title = f"{res.scenario}: metrics over training steps (red title: golden mismatch)"
+    drawn = {s.label for p in panels for s in p.series}
+    return svg.panel_grid(title, panels, columns=PLOT_COLUMNS,
+                          legend=[(b, c) for b, c in colour.items() if b in drawn]).encode("utf-8")
 
 
 # ---- HTML / Markdown ---------------------------------------------------------------------------
@@ -162,7 +143,7 @@ GOLDEN_HEADER = ["backend", "step", "metric", "value", "golden", "rel. drift", "
                  "status"]
 
 
-def _html_scenario(res: ScenarioResult, png: bytes | None, drift_png: bytes | None = None
+def _html_scenario(res: ScenarioResult, grid: bytes | None, drift_png: bytes | None = None
                    ) -> str:
     verdict = R.badge(res.state.upper(), STATE_CLASS[res.state])
     out = [f'<section class="card" id="{R.esc(R.safe_filename(res.scenario))}">'
@@ -199,13 +180,13 @@ def _html_scenario(res: ScenarioResult, png: bytes | None, drift_png: bytes | No
         if len(grows) > len(shown):
             out.append(f"<details><summary>all {len(grows)} rows</summary>"
                        f"{R.table(GOLDEN_HEADER, _golden_table_rows(grows))}</details>")
-    if png:
-        out.append("<h3>Metrics over steps</h3>" + R.img(png, f"{res.scenario} metrics"))
+    if grid:
+        out.append("<h3>Metrics over steps</h3>" + R.img(grid, f"{res.scenario} metrics"))
     out.append("</section>")
     return "\n".join(out)
 
 
-def render_html(results: list[ScenarioResult], pngs: dict[str, bytes],
+def render_html(results: list[ScenarioResult], grids: dict[str, bytes],
                 drift_pngs: dict[str, bytes] | None = None) -> str:
     now = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     worst = next((s for s in STATES if any(r.state == s for r in results)), FAILED)
@@ -217,7 +198,7 @@ def render_html(results: list[ScenarioResult], pngs: dict[str, bytes],
                           ", ".join(r.backends), len(failures(r)),
                           R.num_cell(round(r.seconds, 1))] for r in results]))
     head.append("</section>")
-    body = head + [_html_scenario(r, pngs.get(r.scenario), (drift_pngs or {}).get(r.scenario))
+    body = head + [_html_scenario(r, grids.get(r.scenario), (drift_pngs or {}).get(r.scenario))
                    for r in results]
     return R.page("rlaudit run report", f"{len(results)} scenario(s) · generated {now}", body)
 
@@ -273,24 +254,25 @@ def scenario_plots(res: ScenarioResult) -> tuple[bytes | None, bytes | None]:
 def build_run_report(results: list[ScenarioResult], out_dir: Path,
                      plots: dict[int, tuple[bytes | None, bytes | None]] | None = None
                      ) -> list[Path]:
-    """Write report.html, report.md and plots/<scenario>.png into ``out_dir`` (each atomically;
+    """Write report.html, report.md, plots/<scenario>.svg (metrics over steps) and, for a
+    localised failure, plots/<scenario>-drift-vs-depth.png into ``out_dir`` (each atomically;
     plots left over from an earlier invocation are removed). Returns [html, md, *plots].
     ``plots``: :func:`scenario_plots` of some of ``results`` already, by ``id(result)``."""
     out_dir = Path(out_dir)
     done = plots or {}
     rendered = [done[id(r)] if id(r) in done else scenario_plots(r) for r in results]
-    pngs = {r.scenario: png for r, (png, _) in zip(results, rendered) if png is not None}
-    plot_files = {s: f"plots/{R.safe_filename(s)}.png" for s in pngs}
+    grids = {r.scenario: grid for r, (grid, _) in zip(results, rendered) if grid is not None}
+    plot_files = {s: f"plots/{R.safe_filename(s)}.svg" for s in grids}
     drift = {r.scenario: png for r, (_, png) in zip(results, rendered) if png is not None}
     drift_files = {s: f"plots/{R.safe_filename(s)}-drift-vs-depth.png" for s in drift}
-    written = [R.write_atomic(out_dir / "report.html", render_html(results, pngs, drift)),
+    written = [R.write_atomic(out_dir / "report.html", render_html(results, grids, drift)),
                R.write_atomic(out_dir / "report.md",
                               render_markdown(results, plot_files, drift_files))]
-    written += [R.write_atomic(out_dir / plot_files[s], png) for s, png in pngs.items()]
+    written += [R.write_atomic(out_dir / plot_files[s], grid) for s, grid in grids.items()]
     written += [R.write_atomic(out_dir / drift_files[s], png) for s, png in drift.items()]
     plots_dir = out_dir / "plots"
     if plots_dir.is_dir():
-        for stale in set(plots_dir.glob("*.png")) - set(written):
+        for stale in {*plots_dir.glob("*.png"), *plots_dir.glob("*.svg")} - set(written):
             stale.unlink(missing_ok=True)
     return written
 

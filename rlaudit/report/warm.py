@@ -1,12 +1,13 @@
 """Import what the local report and MLflow logging need while the replays still run.
 
-``rlaudit run`` spends its last seconds, after every replay and check, on the report (matplotlib)
-and MLflow (mlflow, its SQL store, sqlalchemy): about 2.5 CPU-seconds of imports on one core
-while the other idles. :func:`warm_report_imports` moves them into a background thread started
+``rlaudit run`` spends its last seconds, after every replay and check, on the report and MLflow
+(mlflow, its SQL store, sqlalchemy): about 2 CPU-seconds of imports on one core while the other
+idles. (matplotlib is not among them: the report draws its metrics grid itself, and only a
+localised failure's drift-vs-depth plot needs matplotlib -- imported then.) :func:`warm_report_imports` moves them into a background thread started
 while this process has nothing else to import -- the local executor calls it once the first
 in-process replay is back, when the rest of that scenario's time is spent in other processes'
-ranks. It only imports (matplotlib is set to Agg first, as the report does); any failure is
-left for the report or the MLflow logging to meet and report as usual.
+ranks. It only imports; any failure is left for the report or the MLflow logging to meet and
+report as usual.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ def _imports(mlflow_uri: str | None) -> None:
 
 def _import_all(mlflow_uri: str | None) -> None:
     try:
-        from rlaudit.report import render, run_report  # noqa: F401
+        from rlaudit.report import run_report  # noqa: F401
 
-        render.pyplot()  # matplotlib on the Agg backend
         if mlflow_uri is None:
             return
         import mlflow.entities  # noqa: F401

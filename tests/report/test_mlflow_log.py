@@ -146,7 +146,7 @@ def test_embedded_sqlite_store(make, report_dir, monkeypatch, tmp_path):
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"report.html", "report.md", "results.json", "plots"} <= arts
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "plots")} == {
-        "plots/scn_a.png", "plots/scn_b.png"}
+        "plots/scn_a.svg", "plots/scn_b.svg"}
     children = client.search_runs([exp.experiment_id],
                                   f"tags.`mlflow.parentRunId` = '{out.parent_run_id}'")
     by = {(c.data.tags["rlaudit.scenario"], c.data.tags["rlaudit.backend"]): c for c in children}
@@ -180,7 +180,8 @@ def test_embedded_sqlite_store(make, report_dir, monkeypatch, tmp_path):
 def test_report_files_are_attached_as_given(make, report_dir, tmp_path):
     """With report_files (what write_run_report returned) nothing is rendered again."""
     from mlflow.tracking import MlflowClient
-    files = [tmp_path / "report.html", tmp_path / "report.md", tmp_path / "scn_a.png"]
+    files = [tmp_path / "report.html", tmp_path / "report.md", tmp_path / "scn_a.svg",
+             tmp_path / "scn_a-drift-vs-depth.png"]
     for f in files:
         f.write_text(f"content of {f.name}")
     uri = f"sqlite:///{report_dir / 'mlflow.db'}"
@@ -189,7 +190,8 @@ def test_report_files_are_attached_as_given(make, report_dir, tmp_path):
     client = MlflowClient(tracking_uri=uri)
     local = client.download_artifacts(out.parent_run_id, "", str(tmp_path / "dl"))
     got = {p.relative_to(local).as_posix(): p for p in Path(local).rglob("*") if p.is_file()}
-    assert set(got) == {"report.html", "report.md", "plots/scn_a.png", "results.json"}
+    assert set(got) == {"report.html", "report.md", "plots/scn_a.svg",
+                        "plots/scn_a-drift-vs-depth.png", "results.json"}
     assert got["report.html"].read_text() == "content of report.html"
     # a file gone meanwhile (a concurrent run replaced reports/latest/): rendered again instead
     missing = log_invocation([make()], tracking_uri=uri, report_dir=report_dir,

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import base64
 import re
+import xml.etree.ElementTree as ET
 
 import pytest
 
 from rlaudit.report import render
 from rlaudit.report.run_report import failures, golden_rows, invariant_rows, write_run_report
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def is_svg(data: bytes) -> bool:
+    """A well-formed SVG document (parsed, not just sniffed)."""
+    return ET.fromstring(data).tag == f"{SVG}svg"
 
 
 def test_invariant_table_takes_the_worst_status_per_backend(make):
@@ -40,19 +46,20 @@ def test_golden_rows_put_failures_first(make):
 def test_write_run_report(make, tmp_path):
     results = [make("scn_a", shift={"fsdp": {"actor/pg_loss": 1e-3}}, failing_check=True),
                make("scn_b", steps=3, crashed="fsdp"), make("scn_c", backends=("reference",))]
-    stale = tmp_path / "latest" / "plots" / "old_scenario.png"
-    stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"old")
+    stale = [tmp_path / "latest" / "plots" / f"old_scenario.{ext}" for ext in ("png", "svg")]
+    stale[0].parent.mkdir(parents=True)
+    for old in stale:
+        old.write_bytes(b"old")
     paths = write_run_report(results, tmp_path)
     latest = tmp_path / "latest"
     assert paths[:2] == [latest / "report.html", latest / "report.md"]
-    assert sorted(p.name for p in paths[2:]) == ["scn_a.png", "scn_b.png", "scn_c.png"]
-    assert not stale.exists()
+    assert sorted(p.name for p in paths[2:]) == ["scn_a.svg", "scn_b.svg", "scn_c.svg"]
+    assert not any(old.exists() for old in stale)
     assert sorted(p.name for p in latest.iterdir()) == ["plots", "report.html", "report.md"]
     html = (latest / "report.html").read_text()
-    # self-contained: three embedded PNGs that decode, no external references
-    imgs = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
-    assert len(imgs) == 3 and all(base64.b64decode(i).startswith(PNG_MAGIC) for i in imgs)
+    # self-contained: three embedded SVGs that decode and parse, no external references
+    imgs = re.findall(r'src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(imgs) == 3 and all(is_svg(base64.b64decode(i)) for i in imgs)
     assert "<link" not in html and "http://" not in html and "https://" not in html
     # failure messages are shown, escaped
     assert "rollout/kl 0.5 vs 0.25 &lt;b&gt;x&lt;/b&gt;" in html and "<b>x</b>" not in html
@@ -61,10 +68,10 @@ def test_write_run_report(make, tmp_path):
     assert html.count('class="badge ok">PASSED') == 1    # scn_c
     md = (latest / "report.md").read_text()
     assert "**1/3 scenarios passed**" in md
-    assert "![scn_a metrics](plots/scn_a.png)" in md
+    assert "![scn_a metrics](plots/scn_a.svg)" in md
     assert "| fsdp | 0 | actor/pg_loss | 0.501 | 0.5 | 0.002 |" in md
     for p in paths[2:]:
-        assert p.read_bytes().startswith(PNG_MAGIC)
+        assert is_svg(p.read_bytes())
 
 
 def test_write_atomic_gives_normal_permissions(tmp_path):
@@ -108,14 +115,14 @@ def test_plots_rendered_ahead_are_used_and_the_rest_rendered(make, tmp_path):
     written = {p.name: p.read_bytes()
                for p in build_run_report([a, b], tmp_path / "x",
                                          {id(a): (b"rendered ahead", None)})}
-    assert written["scn_a.png"] == b"rendered ahead"
-    assert written["scn_b.png"][:8] == b"\x89PNG\r\n\x1a\n"
+    assert written["scn_a.svg"] == b"rendered ahead"
+    assert is_svg(written["scn_b.svg"])
     # what was rendered ahead is what the report would have rendered itself
     ahead = scenario_plots(b)
-    assert ahead[0][:8] == b"\x89PNG\r\n\x1a\n" and ahead[1] is None
+    assert is_svg(ahead[0]) and ahead[1] is None
     plain = {p.name: p.read_bytes() for p in build_run_report([b], tmp_path / "y")}
     given = {p.name: p.read_bytes() for p in build_run_report([b], tmp_path / "z", {id(b): ahead})}
-    assert given["scn_b.png"] == plain["scn_b.png"] == ahead[0]
+    assert given["scn_b.svg"] == plain["scn_b.svg"] == ahead[0]
     assert given["report.md"] == plain["report.md"]
 
 
@@ -136,4 +143,24 @@ def test_the_cli_renders_plots_as_results_come_in(monkeypatch, tmp_path):
                  "--no-mlflow", "--report-dir", str(tmp_path)]) == 0
     assert written == [["seed_entropy_coeff_zero", "adv_rloo"]]   # both before the report
     assert calls == ["seed_entropy_coeff_zero", "adv_rloo"]       # and not again
-    assert (tmp_path / "latest" / "plots" / "adv_rloo.png").is_file()
+    assert (tmp_path / "latest" / "plots" / "adv_rloo.svg").is_file()
+
+
+def test_metrics_grid_panels_colours_and_flags(make):
+    """One panel per plotted metric (timing left out), each backend one colour in every panel,
+    the golden band in the legend first, a metric out of its golden tolerance titled in red."""
+    from rlaudit.report import svg
+    from rlaudit.report.run_report import plot_metrics
+
+    res = make("scn_a", backends=("reference", "fsdp", "megatron"),
+               shift={"megatron": {"actor/pg_loss": 1e-3}})
+    root = ET.fromstring(plot_metrics(res))
+    titles = {t.text: t for t in root.iter(f"{SVG}text") if t.get("font-size") == "11"}
+    assert set(titles) == {"actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"}
+    assert titles["actor/pg_loss"].get("fill") == svg.FLAG
+    assert all(titles[n].get("fill") != svg.FLAG for n in titles if n != "actor/pg_loss")
+    lines = [p.get("stroke") for p in root.iter(f"{SVG}polyline")]
+    assert len(lines) == 3 * 4 and len(set(lines)) == 3  # 3 backends x 4 panels, 3 colours
+    legend = [t.text for t in root.iter(f"{SVG}text") if t.get("text-anchor") == "start"]
+    assert legend == ["golden ± tol", "reference", "fsdp", "megatron"]
+    assert plot_metrics(make("scn_b", golden=False)) is not None
