@@ -69,6 +69,10 @@ def entry() -> None:
     try:
         code = main()
         sys.stdout.flush()
+    except SystemExit as e:  # argparse: --help, --version, usage errors
+        if e.code is not None and not isinstance(e.code, int):
+            raise  # a message: sys.exit prints it
+        code = e.code or 0
     except BrokenPipeError:
         # the reader left (`rlaudit list | head`): no traceback, and the exit status of a
         # process that SIGPIPE ended (128 + 13), as `yes | head` gives; stdout goes to /dev/null
@@ -76,7 +80,32 @@ def entry() -> None:
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141
-    sys.exit(code)
+    leave(code)
+
+
+def leave(code: int) -> None:
+    """Exit with ``code`` as the interpreter would, minus its teardown: what Python does at exit
+    that anyone can observe -- join non-daemon threads (and the thread pools' shutdown hooks),
+    run the atexit handlers (logging's flush, temporary folders' cleanup, multiprocessing's
+    children) and flush stdout/stderr -- then ``os._exit``. Freeing every module and object of a
+    process that holds torch, transformers and MLflow takes 0.15-0.2 s, after the last line is
+    printed, on every invocation. Where the interpreter lacks either hook: ``sys.exit``."""
+    import atexit
+    import os
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or run_exitfuncs is None:
+        sys.exit(code)
+    shutdown()
+    run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or the reader left: nothing more to say
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ console script."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sqlite3
 import subprocess
@@ -251,6 +252,42 @@ def test_console_script_entry_point(tmp_path):
     assert p.returncode == 2, p.stderr
     assert f"{bad}: backend: unknown key" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+_LEAVE = """
+import atexit, sys, threading, time
+from pathlib import Path
+from rlaudit.cli.main import leave
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("joined")
+threading.Thread(target=late).start()           # not a daemon: exit waits for it
+sys.stdout.write("no newline, still buffered")  # a pipe: block-buffered
+sys.stderr.write("err without newline")
+leave(3)
+print("never")
+"""
+
+
+def test_leave_exits_like_the_interpreter_without_its_teardown(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffers to flush
+    p = subprocess.run([sys.executable, "-c", _LEAVE, str(tmp_path)], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert p.returncode == 3
+    assert p.stdout == "no newline, still buffered" and p.stderr == "err without newline"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "joined"
+
+
+@pytest.mark.parametrize("argv,code,where", [(["--help"], 0, "stdout"),
+                                              (["run", "--nope"], 2, "stderr")])
+def test_argparse_exits_go_through_leave(argv, code, where):
+    p = subprocess.run([sys.executable, "-c", "from rlaudit.cli.main import entry; entry()",
+                        *argv], capture_output=True, text=True, timeout=120)
+    assert p.returncode == code
+    assert "usage: rlaudit" in getattr(p, where)
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
