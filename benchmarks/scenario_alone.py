@@ -41,9 +41,8 @@ def backends_of(tree: Path, name: str) -> str:
 def time_one(tree: Path, python: str, name: str, work: Path) -> tuple[float, int]:
     env = dict(os.environ, PYTHONPATH=str(tree),
                MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}")
-    cmd = [python, "-c", "import sys; from rlaudit.cli.main import main; "
-                         "sys.exit(main(sys.argv[1:]))",
-           "run", name, "--report-dir", str(work / "reports")]
+    # what the `rlaudit` console script runs (its entry point), from ``tree``
+    cmd = [python, "-c", "from rlaudit.cli.main import entry; entry()", "run", name, "--report-dir", str(work / "reports")]
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL).returncode

@@ -54,10 +54,9 @@ QUICK = {"rlaudit list": ["list"], "rlaudit run --help": ["run", "--help"],
 
 
 def _driver(python: str, args: list[str]) -> list[str]:
-    # not `-m rlaudit.cli.main`: a module run as __main__ is not imported, so the probe could not
-    # wrap its main()
-    return [python, "-c", "import sys; from rlaudit.cli.main import main; "
-                          "sys.exit(main(sys.argv[1:]))", *args]
+    # the console script's entry point, not `-m rlaudit.cli.main`: a module run as __main__ is
+    # not imported, so the probe could not wrap its main()
+    return [python, "-c", "from rlaudit.cli.main import entry; entry()", *args]
 
 
 def run_measured(tree: Path, python: str, args: list[str], work: Path) -> tuple[int, float]:
