@@ -207,6 +207,9 @@ def _plots_now(res, plots: dict) -> None:
 def _report(results, args, plots: dict | None = None) -> None:
     """Local report and MLflow logging; neither may lose the audit result if it fails.
     ``plots``: the report's plots rendered already (_plots_now)."""
+    from rlaudit.report.warm import wait_for_warm_imports
+
+    wait_for_warm_imports()  # what it imports is imported next: not from two threads at once
     report_dir = Path(args.report_dir)
     paths = None
     try:

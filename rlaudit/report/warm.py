@@ -15,19 +15,32 @@ from __future__ import annotations
 import threading
 
 _started = threading.Event()
+_thread: threading.Thread | None = None
 
 
 def warm_report_imports(*, mlflow_uri: str | None) -> threading.Thread | None:
     """Start the imports once per process (later calls return None). ``mlflow_uri``: the
     tracking URI the run will log to (its SQL store module is imported for database URIs), or
     None when it will not log to MLflow."""
+    global _thread
     if _started.is_set():
         return None
     _started.set()
-    thread = threading.Thread(target=_imports, args=(mlflow_uri,), daemon=True,
-                              name="rlaudit-warm-imports")
-    thread.start()
-    return thread
+    _thread = threading.Thread(target=_imports, args=(mlflow_uri,), daemon=True,
+                               name="rlaudit-warm-imports")
+    _thread.start()
+    return _thread
+
+
+def wait_for_warm_imports(timeout: float | None = None) -> None:
+    """Return once the background imports, if any were started, are done. Whoever imports MLflow
+    next calls this first: two threads importing the same package at once can hand one of them
+    a partly initialised module where the package's modules import each other (seen: "cannot
+    import name '_get_store' from partially initialized module 'mlflow.tracking'", when a
+    reference-only scenario's checks ended while the background import was still under way)."""
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout)
 
 
 def _imports(mlflow_uri: str | None) -> None:

@@ -47,3 +47,44 @@ def test_no_mlflow_when_the_run_does_not_log_to_it():
     http = _run("http://127.0.0.1:9")  # a server: no SQL store module needed
     assert http["mods"]["mlflow.tracking"] is True
     assert http["mods"]["mlflow.store.tracking.sqlalchemy_store"] is False
+
+
+def test_the_report_waits_for_the_background_imports(monkeypatch, tmp_path):
+    """`rlaudit run` imports the report and MLflow only once the background imports are done:
+    two threads importing MLflow at once gave one a partly initialised mlflow.tracking."""
+    import argparse
+    import threading
+    import time
+
+    from rlaudit.cli import run as run_cmd
+    from rlaudit.report import run_report, warm
+
+    done = threading.Event()
+    slow = threading.Thread(target=lambda: (time.sleep(0.5), done.set()), daemon=True)
+    monkeypatch.setattr(warm, "_thread", slow)
+    seen = []
+    monkeypatch.setattr(run_report, "write_run_report",
+                        lambda *a, **k: seen.append(done.is_set()) or [])
+    slow.start()
+    run_cmd._report([], argparse.Namespace(report_dir=str(tmp_path), no_mlflow=True))
+    assert seen == [True]
+
+
+def test_waiting_needs_no_thread_and_never_waits_on_itself(monkeypatch):
+    import threading
+
+    from rlaudit.report import warm
+
+    monkeypatch.setattr(warm, "_thread", None)
+    warm.wait_for_warm_imports()  # nothing started: returns at once
+    got = []
+
+    def body():
+        warm.wait_for_warm_imports(timeout=5)  # from the warm thread itself: no self-join
+        got.append("returned")
+
+    me = threading.Thread(target=body)
+    monkeypatch.setattr(warm, "_thread", me)
+    me.start()
+    me.join(10)
+    assert got == ["returned"]
