@@ -85,6 +85,11 @@ def test_case7_bless_is_refused_when_an_invariant_failed(cli, tmp_path, monkeypa
     """An injected failure of sanity-bounds: `golden bless` and `run --bless` write nothing and
     exit 1; with --force the bless goes through."""
     scn, gdir = copy_golden(blessed, tmp_path)
+    # an old bless time, so that a bless now changes the file even within the fixture's second
+    doc = json.loads((gdir / "duo.json").read_text())
+    for entry in doc["backends"].values():
+        entry["provenance"]["blessed_at"] = "2000-01-01T00:00:00+00:00"
+    (gdir / "duo.json").write_text(json.dumps(doc, indent=1))
     before = tree_digest(gdir)
     inv = INVARIANTS.get("sanity-bounds")
     monkeypatch.setattr(inv, "check", lambda ctx: [
