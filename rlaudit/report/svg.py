@@ -117,7 +117,13 @@ def x_ticks(lo: int, hi: int) -> list[int]:
 
 
 def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
+    """A finite number (numpy and torch scalars too: a target's metrics may be either)."""
+    if isinstance(v, (str, bytes)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
 
 
 def _segments(xs, ys) -> list[list[tuple[float, float]]]:
@@ -154,10 +160,11 @@ def _panel(p: Panel, ox: float, oy: float) -> list[str]:
                  weight="bold" if p.flagged else "normal")]
     x0, y0 = ox + LEFT, oy + TOP
     w, h = PANEL_W - LEFT - RIGHT, PANEL_H - TOP - BOTTOM
-    xs = [x for s in p.series for x, y in zip(s.xs, s.ys) if _finite(y)]
-    ys = [y for s in p.series for y in s.ys if _finite(y)]
+    xs = [float(x) for s in p.series for x, y in zip(s.xs, s.ys) if _finite(y)]
+    ys = [float(y) for s in p.series for y in s.ys if _finite(y)]
     if p.band is not None:
-        pts = [(x, lo, hi) for x, lo, hi in zip(p.band.xs, p.band.lo, p.band.hi)
+        pts = [(float(x), float(lo), float(hi)) for x, lo, hi in zip(p.band.xs, p.band.lo,
+                                                                      p.band.hi)
                if _finite(lo) and _finite(hi)]
         xs += [x for x, _, _ in pts]
         ys += [v for _, lo, hi in pts for v in (lo, hi)]

@@ -88,6 +88,21 @@ def test_a_non_finite_value_breaks_the_line_and_is_said():
     assert any(t.text == "no finite values (1 non-finite)" for t in texts(empty))
 
 
+def test_numpy_and_torch_scalars_are_drawn_like_floats():
+    """A target's metrics may come as numpy or torch scalars."""
+    import numpy as np
+    import torch
+
+    ys = [np.float32(0.5), torch.tensor(0.75, dtype=torch.float64), 1.0, np.float64(0.25)]
+    root = one_panel(ys)
+    axis = y_axis(root)
+    height = float(root.get("height"))
+    dots = sorted((c for c in root.iter(f"{NS}circle") if in_plot_area(c, "cx", "cy", height)),
+                  key=lambda c: float(c.get("cx")))
+    assert [round(value_at(float(d.get("cy")), axis), 3) for d in dots] == [0.5, 0.75, 1.0, 0.25]
+    assert len(list(root.iter(f"{NS}polyline"))) == 1
+
+
 def test_the_band_is_an_error_bar_from_lo_to_hi():
     band = svg.Band([0, 1], [0.9, 1.9], [1.1, 2.1])
     root = one_panel([1.0, 2.0], band=band)
