@@ -1,7 +1,8 @@
 """Log one ``rlaudit run`` invocation to MLflow: a parent run, a child run per scenario x backend.
 
 Parent run (tag ``rlaudit.kind=invocation``): the invocation's report (report.html, report.md,
-plots/*.svg and *.png) and results.json as artifacts; metrics ``scenarios_total``/``scenarios_passed``.
+plots/*.svg and *.png) and results.json as artifacts; metrics
+``scenarios_total``/``scenarios_passed``.
 Child run (tag ``rlaudit.kind=scenario``, ``mlflow.parentRunId``):
 
 - params: the flattened scenario config (``actor.entropy_coeff`` ...), ``layout.<dim>``, ``dtype``,

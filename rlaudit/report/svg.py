@@ -15,9 +15,10 @@ Non-finite values (nan, inf) are left out of a line, which breaks there, and sai
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
 from typing import Sequence
+
+from rlaudit.report.render import esc
 
 #: line colours, in the order backends are listed (matplotlib's default cycle, for continuity
 #: with the reports' other plots)
@@ -76,7 +77,7 @@ def y_range(values: Sequence[float]) -> tuple[float, float]:
     value, or all equal) opens to +/- 5 % of the value (+/- 1 around zero)."""
     lo, hi = min(values), max(values)
     span = hi - lo
-    if span <= abs(hi) * 1e-12 or span == 0.0:
+    if span <= abs(hi) * 1e-12:  # also a zero span at zero
         half = abs(hi) * 0.05 or 1.0
         return lo - half, hi + half
     return lo - 0.08 * span, hi + 0.08 * span
@@ -141,10 +142,9 @@ def _num(v: float) -> str:
     return f"{v:.2f}".rstrip("0").rstrip(".")
 
 
-def _text(x, y, s, *, size=10, anchor="middle", colour="#1f2328", weight="normal",
-          extra="") -> str:
+def _text(x, y, s, *, size=10, anchor="middle", colour="#1f2328", weight="normal") -> str:
     return (f'<text x="{_num(x)}" y="{_num(y)}" font-size="{size}" text-anchor="{anchor}" '
-            f'fill="{colour}" font-weight="{weight}"{extra}>{html.escape(s)}</text>')
+            f'fill="{colour}" font-weight="{weight}">{esc(s)}</text>')
 
 
 def _marker_square(x, y, size, colour) -> str:
@@ -162,12 +162,11 @@ def _panel(p: Panel, ox: float, oy: float) -> list[str]:
     w, h = PANEL_W - LEFT - RIGHT, PANEL_H - TOP - BOTTOM
     xs = [float(x) for s in p.series for x, y in zip(s.xs, s.ys) if _finite(y)]
     ys = [float(y) for s in p.series for y in s.ys if _finite(y)]
-    if p.band is not None:
-        pts = [(float(x), float(lo), float(hi)) for x, lo, hi in zip(p.band.xs, p.band.lo,
-                                                                      p.band.hi)
-               if _finite(lo) and _finite(hi)]
-        xs += [x for x, _, _ in pts]
-        ys += [v for _, lo, hi in pts for v in (lo, hi)]
+    band = [] if p.band is None else [
+        (float(x), float(lo), float(hi)) for x, lo, hi in zip(p.band.xs, p.band.lo, p.band.hi)
+        if _finite(lo) and _finite(hi)]
+    xs += [x for x, _, _ in band]
+    ys += [v for _, lo, hi in band for v in (lo, hi)]
     out.append(f'<rect x="{_num(x0)}" y="{_num(y0)}" width="{_num(w)}" height="{_num(h)}" '
                f'fill="#fff" stroke="#9ca3af" stroke-width="1"/>')
     skipped = sum(not _finite(y) for s in p.series for y in s.ys)
@@ -190,13 +189,12 @@ def _panel(p: Panel, ox: float, oy: float) -> list[str]:
                    f'y2="{_num(y0 + h)}" stroke="#e5e7eb" stroke-width="1"/>')
         out.append(_text(sx(t), y0 + h + 13, str(t), size=9))
     out.append(_text(x0 + w / 2, y0 + h + 29, "step", size=9))
-    if p.band is not None:
-        for x, lo, hi in pts:
-            cx, ylo, yhi = sx(x), sy(lo), sy(hi)
-            out.append(f'<path d="M{_num(cx)},{_num(ylo)}V{_num(yhi)}M{_num(cx - 6)},{_num(ylo)}'
-                       f'H{_num(cx + 6)}M{_num(cx - 6)},{_num(yhi)}H{_num(cx + 6)}" '
-                       f'stroke="{BAND}" stroke-width="1.2" fill="none"/>')
-            out.append(_marker_square(cx, (ylo + yhi) / 2, 10, BAND))
+    for x, lo, hi in band:
+        cx, ylo, yhi = sx(x), sy(lo), sy(hi)
+        out.append(f'<path d="M{_num(cx)},{_num(ylo)}V{_num(yhi)}M{_num(cx - 6)},{_num(ylo)}'
+                   f'H{_num(cx + 6)}M{_num(cx - 6)},{_num(yhi)}H{_num(cx + 6)}" '
+                   f'stroke="{BAND}" stroke-width="1.2" fill="none"/>')
+        out.append(_marker_square(cx, (ylo + yhi) / 2, 10, BAND))
     for s in p.series:
         for run in _segments(s.xs, s.ys):
             pts_text = " ".join(f"{_num(sx(x))},{_num(sy(y))}" for x, y in run)

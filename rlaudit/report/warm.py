@@ -3,8 +3,9 @@
 ``rlaudit run`` spends its last seconds, after every replay and check, on the report and MLflow
 (mlflow, its SQL store, sqlalchemy): about 2 CPU-seconds of imports on one core while the other
 idles. (matplotlib is not among them: the report draws its metrics grid itself, and only a
-localised failure's drift-vs-depth plot needs matplotlib -- imported then.) :func:`warm_report_imports` moves them into a background thread started
-while this process has nothing else to import -- the local executor calls it once the first
+localised failure's drift-vs-depth plot needs matplotlib -- imported then.)
+:func:`warm_report_imports` moves them into a background thread started while this process has
+nothing else to import -- the local executor calls it once the first
 in-process replay is back, when the rest of that scenario's time is spent in other processes'
 ranks. It only imports; any failure is left for the report or the MLflow logging to meet and
 report as usual.
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 import threading
 
-_started = threading.Event()
-_thread: threading.Thread | None = None
+_lock = threading.Lock()
+_thread: threading.Thread | None = None  # the background imports, once started
 
 
 def warm_report_imports(*, mlflow_uri: str | None) -> threading.Thread | None:
@@ -23,11 +24,11 @@ def warm_report_imports(*, mlflow_uri: str | None) -> threading.Thread | None:
     tracking URI the run will log to (its SQL store module is imported for database URIs), or
     None when it will not log to MLflow."""
     global _thread
-    if _started.is_set():
-        return None
-    _started.set()
-    _thread = threading.Thread(target=_imports, args=(mlflow_uri,), daemon=True,
-                               name="rlaudit-warm-imports")
+    with _lock:
+        if _thread is not None:
+            return None
+        _thread = threading.Thread(target=_imports, args=(mlflow_uri,), daemon=True,
+                                   name="rlaudit-warm-imports")
     _thread.start()
     return _thread
 

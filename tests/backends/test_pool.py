@@ -130,21 +130,18 @@ def test_pool_reuses_its_ranks_and_resets_state_between_tasks():
 def test_a_task_is_answered_before_its_garbage_is_collected_and_the_next_finds_it_gone():
     """Collecting a task's garbage (0.1-0.2 s in a Megatron rank) is on no one's path: the
     answer comes first; the next task starts once it is done."""
-    import gc
-
     pool = RankPool(2)
     try:
         pool.run(_sum_ranks, args=(1.0,))  # warm
-        t0 = time.time()
         ended = pool.run(_leave_slow_garbage, args=(2.0,))
         answered = time.time()
         freed = pool.run(_freed)
     finally:
         pool.close()
-    assert answered - t0 < 1.5  # not held up by the 2 s finaliser
     for end, got in zip(ended, freed):
-        assert len(got) == 1 and got[0] >= end + 2.0  # collected once, before the next task
-    assert gc.isenabled()
+        # collected once, 2 s after the task ended (its finaliser), before the next task -- and
+        # after the answer was back (a collection before answering would have held it up)
+        assert len(got) == 1 and got[0] >= end + 2.0 and got[0] > answered
 
 
 @pytest.mark.slow

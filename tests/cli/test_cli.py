@@ -255,7 +255,7 @@ def test_console_script_entry_point(tmp_path):
 
 
 _LEAVE = """
-import atexit, sys, threading, time
+import atexit, os, sys, threading, time
 from pathlib import Path
 from rlaudit.cli.main import leave
 out = Path(sys.argv[1])
@@ -264,6 +264,12 @@ def late():
     time.sleep(0.5)
     (out / "thread").write_text("joined")
 threading.Thread(target=late).start()           # not a daemon: exit waits for it
+class Teardown:                                  # freed only by the interpreter's teardown
+    def __init__(self, path):                    # (opened now: late in it `open` is gone)
+        self.fd, self.write = os.open(path, os.O_WRONLY | os.O_CREAT), os.write
+    def __del__(self):
+        self.write(self.fd, b"ran")
+kept = Teardown(str(out / "teardown"))
 sys.stdout.write("no newline, still buffered")  # a pipe: block-buffered
 sys.stderr.write("err without newline")
 leave(3)
@@ -279,15 +285,34 @@ def test_leave_exits_like_the_interpreter_without_its_teardown(tmp_path):
     assert p.stdout == "no newline, still buffered" and p.stderr == "err without newline"
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "teardown").read_text() == ""  # what leave() skips: freeing every object
+
+
+#: entry() with a module-level object that only the interpreter's teardown frees
+_ENTRY = """
+import sys
+import os
+class Teardown:  # the file is opened now: late in the teardown even `open` is gone
+    def __init__(self, path):
+        self.fd, self.write = os.open(path, os.O_WRONLY | os.O_CREAT), os.write
+    def __del__(self):
+        self.write(self.fd, b"ran")
+kept = Teardown(sys.argv[1])
+sys.argv = ["rlaudit", *sys.argv[2:]]
+from rlaudit.cli.main import entry
+entry()
+"""
 
 
 @pytest.mark.parametrize("argv,code,where", [(["--help"], 0, "stdout"),
                                               (["run", "--nope"], 2, "stderr")])
-def test_argparse_exits_go_through_leave(argv, code, where):
-    p = subprocess.run([sys.executable, "-c", "from rlaudit.cli.main import entry; entry()",
-                        *argv], capture_output=True, text=True, timeout=120)
+def test_argparse_exits_go_through_leave(argv, code, where, tmp_path):
+    marker = tmp_path / "teardown"
+    p = subprocess.run([sys.executable, "-c", _ENTRY, str(marker), *argv], capture_output=True,
+                       text=True, timeout=120)
     assert p.returncode == code
     assert "usage: rlaudit" in getattr(p, where)
+    assert marker.read_text() == ""  # left through leave(), not the interpreter's teardown
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback():

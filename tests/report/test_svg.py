@@ -27,15 +27,15 @@ def texts(root) -> list[ET.Element]:
     return list(root.iter(f"{NS}text"))
 
 
-def in_plot_area(el, attr_x, attr_y, height) -> bool:
-    """Inside the panels (not the legend row at the bottom)."""
-    return float(el.get(attr_y)) < height - svg.FOOT
+def in_plot_area(circle, height) -> bool:
+    """A marker inside the panels (not in the legend row at the bottom)."""
+    return float(circle.get("cy")) < height - svg.FOOT
 
 
 def y_axis(root) -> tuple[float, float, float, float]:
     """(pixel, value) of the first two labelled horizontal grid lines of a one-panel chart."""
     lines = [el for el in root.iter(f"{NS}line") if el.get("y1") == el.get("y2")]
-    labels = [t for t in texts(root) if t.get("text-anchor") == "end" and t.text not in (None,)
+    labels = [t for t in texts(root) if t.get("text-anchor") == "end" and t.text is not None
               and t.get("font-size") == "9" and not t.text.endswith("drawn")]
     assert len(lines) >= 2 and len(labels) == len(lines)
     (p0, v0), (p1, v1) = [(float(ln.get("y1")), float(lb.text)) for ln, lb in
@@ -61,7 +61,7 @@ def test_points_sit_at_their_values_read_off_the_labelled_grid():
     root = one_panel(ys)
     height = float(root.get("height"))
     axis = y_axis(root)
-    dots = [c for c in root.iter(f"{NS}circle") if in_plot_area(c, "cx", "cy", height)]
+    dots = [c for c in root.iter(f"{NS}circle") if in_plot_area(c, height)]
     assert len(dots) == len(ys)
     dots.sort(key=lambda c: float(c.get("cx")))
     span = max(ys) - min(ys)
@@ -81,7 +81,7 @@ def test_a_non_finite_value_breaks_the_line_and_is_said():
     height = float(root.get("height"))
     lines = [len(p.get("points").split()) for p in root.iter(f"{NS}polyline")]
     assert lines == [2, 2]
-    dots = [c for c in root.iter(f"{NS}circle") if in_plot_area(c, "cx", "cy", height)]
+    dots = [c for c in root.iter(f"{NS}circle") if in_plot_area(c, height)]
     assert len(dots) == 4
     assert any(t.text == "2 non-finite value(s) not drawn" for t in texts(root))
     empty = one_panel([float("nan")])
@@ -97,7 +97,7 @@ def test_numpy_and_torch_scalars_are_drawn_like_floats():
     root = one_panel(ys)
     axis = y_axis(root)
     height = float(root.get("height"))
-    dots = sorted((c for c in root.iter(f"{NS}circle") if in_plot_area(c, "cx", "cy", height)),
+    dots = sorted((c for c in root.iter(f"{NS}circle") if in_plot_area(c, height)),
                   key=lambda c: float(c.get("cx")))
     assert [round(value_at(float(d.get("cy")), axis), 3) for d in dots] == [0.5, 0.75, 1.0, 0.25]
     assert len(list(root.iter(f"{NS}polyline"))) == 1
@@ -145,7 +145,7 @@ def test_a_constant_series_gets_an_axis_around_it():
     root = one_panel([0.25, 0.25, 0.25])
     axis = y_axis(root)
     height = float(root.get("height"))
-    dots = [c for c in root.iter(f"{NS}circle") if in_plot_area(c, "cx", "cy", height)]
+    dots = [c for c in root.iter(f"{NS}circle") if in_plot_area(c, height)]
     assert all(value_at(float(d.get("cy")), axis) == pytest.approx(0.25, abs=1e-4) for d in dots)
 
 
