@@ -98,7 +98,8 @@ _current = threading.local()
 
 
 class _BackendProxy:
-    """What engine.get_backend returns under the probe: the backend with a timed ``replay``."""
+    """What engine.get_backend returns under the probe: the backend with a timed ``replay`` (and
+    ``replay_in_pool``)."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -108,9 +109,15 @@ class _BackendProxy:
         return getattr(self._inner, name)
 
     def replay(self, request):
+        return self._timed(self._inner.replay, request)
+
+    def replay_in_pool(self, request, **kwargs):  # the reference beside multi-rank backends
+        return self._timed(self._inner.replay_in_pool, request, **kwargs)
+
+    def _timed(self, replay, request, **kwargs):
         t0 = time.time()
         try:
-            return self._inner.replay(request)
+            return replay(request, **kwargs)
         finally:
             emit("replay", t0, time.time(), backend=self._inner.name,
                  variants=len(request.variants), scenario=self._scenario)

@@ -14,6 +14,7 @@ import torch
 from rlaudit.backends import memo
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.replay import replay_variant
+from rlaudit.errors import InputError
 from rlaudit.model.critic import ValueModel
 from rlaudit.model.load import load_model, load_tokenizer
 from rlaudit.update import forward_memo
@@ -103,12 +104,54 @@ class ReferenceBackend:
         return out
 
 
+    def replay_in_pool(self, request: ReplayRequest, *, threads: int) -> dict[str, VariantRun]:
+        """:meth:`replay` in a one-rank group (the warm pool :data:`POOL` of the enclosing
+        ``warm_pools`` block -- local ranks or Ray's --; a one-shot group outside one), with
+        ``threads`` intra-op threads as in-process: the same results, bit for bit. What the
+        executors do (rlaudit/executors). A rank that raised an :class:`InputError` raises it
+        here too, as :meth:`replay` would have; any other failure is the group's
+        :class:`~rlaudit.errors.RankFailure`."""
+        from rlaudit.backends.launch.pool import run_ranks
+        from rlaudit.errors import RankFailure
+
+        try:
+            return run_ranks(replay_in_rank, 1, pool=POOL, args=(request, threads),
+                             device=request.device, timeout=request.timeout,
+                             threads_per_rank=threads)[0]
+        except RankFailure as exc:
+            bad_input = _input_error(exc)
+            if bad_input is None:
+                raise
+            raise bad_input from exc
+
+
+#: the name of the warm pool the reference replays in, out of process
+POOL = "reference"
+
+
 def replay_in_rank(info, request: ReplayRequest, threads: int) -> dict[str, VariantRun]:
-    """The reference backend's replay inside a one-rank group: what the Ray executor runs (the
-    local one replays the reference in-process), with ``threads`` intra-op threads as it would
-    have in-process."""
+    """The reference backend's replay inside a one-rank group (:meth:`ReferenceBackend.
+    replay_in_pool`), with ``threads`` intra-op threads as it would have in-process."""
     torch.set_num_threads(threads)
     return ReferenceBackend().replay(request)
+
+
+def _input_error(failure) -> InputError | None:
+    """The :class:`InputError` the one rank of a failed group raised while replaying (its message
+    as it was), else None."""
+    import importlib
+
+    outcomes = getattr(failure, "outcomes", None) or ()
+    if len(outcomes) != 1 or outcomes[0].kind != "raised" or outcomes[0].phase != "fn":
+        return None
+    module, _, name = (outcomes[0].exc_type or "").rpartition(".")
+    try:
+        raised = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if not (isinstance(raised, type) and issubclass(raised, InputError)):
+        return None
+    return InputError(outcomes[0].message or "")
 
 
 #: seed of the weight perturbation (fixed: the noise floor is reproducible)

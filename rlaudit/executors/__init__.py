@@ -1,7 +1,8 @@
 """Where ``rlaudit run`` carries out its scenario x backend jobs.
 
-    local   this machine, two scenarios in flight; multi-rank backends reuse warm rank pools
-            (rlaudit/backends/launch/pool.py) for the whole invocation (the default)
+    local   this machine, two scenarios in flight; multi-rank backends (and the reference beside
+            them) reuse warm rank pools (rlaudit/backends/launch/pool.py) for the whole
+            invocation (the default)
     ray     Ray tasks and actors: every multi-rank job a placement group with one bundle per rank,
             the reference replays Ray tasks; a local Ray cluster, or ``--ray-address``
 
@@ -66,17 +67,36 @@ def _pooled(scn, backends: list[str] | None) -> list[tuple[str, int]]:
     return out
 
 
+def reference_pooled(scn, backends: list[str] | None) -> bool:
+    """Whether the local executor replays ``scn``'s reference backend in a one-rank warm pool
+    rather than in its own process: on the CPU, when the scenario also replays on a multi-rank
+    backend (whose ranks are forked from a forkserver that imports the model stack anyway; see
+    :class:`LocalExecutor`)."""
+    from rlaudit.scenarios.engine import planned_backends
+
+    return (scn.device == "cpu" and "reference" in planned_backends(scn, backends)[0]
+            and bool(_pooled(scn, backends)))
+
+
 def needed_pools(scenarios, backends: list[str] | None) -> list[tuple[str, int, str, int]]:
-    """``(pool name, world size, device, threads per rank)`` of every multi-rank replay the
-    scenarios will run in a warm pool, in the order of first use."""
-    return list(dict.fromkeys((*pool, scn.device, 1) for scn in scenarios
-                              for pool in _pooled(scn, backends)))
+    """``(pool name, world size, device, threads per rank)`` of every replay the scenarios will
+    run in a warm pool -- the multi-rank ones and the reference where :func:`reference_pooled`
+    -- in the order of first use."""
+    from rlaudit.backends.reference import POOL
+
+    out = []
+    for scn in scenarios:
+        if reference_pooled(scn, backends):
+            out.append((POOL, 1, scn.device, process_threads()))
+        out += [(*pool, scn.device, 1) for pool in _pooled(scn, backends)]
+    return list(dict.fromkeys(out))
 
 
 def groups_in_flight(scenarios, backends: list[str] | None, jobs: int) -> int:
     """How many multi-rank groups may replay at once: the ``jobs`` scenarios with the most
     pooled backends, each running all of them concurrently (what the placement of the pools'
-    ranks on cores is sized for: rlaudit/backends/launch/placement.py)."""
+    ranks on cores is sized for: rlaudit/backends/launch/placement.py; a pooled reference
+    replay, one rank with one thread by default, is not pinned and not counted)."""
     counts = sorted((len(_pooled(scn, backends)) for scn in scenarios), reverse=True)
     return max(1, sum(counts[:max(1, jobs)]))
 
@@ -95,18 +115,24 @@ LOCAL_JOBS = 2
 
 class LocalExecutor:
     """Scenarios on this machine, ``jobs`` at a time (threads; results in scenario order), and
-    within a scenario its backends at once (``concurrent_backends``): the reference replays in
-    this process while the multi-rank backends' ranks work. Multi-rank replays go to the warm
-    pools of the enclosing :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds
+    within a scenario its backends at once (``concurrent_backends``). Multi-rank replays go to the
+    warm pools of the enclosing :func:`~rlaudit.backends.launch.pool.warm_pools` block (the CLI holds
     one; a pool serves one task at a time), started in the background on entry (what
-    :func:`needed_pools` lists for ``scenarios`` and ``backends``); in-process replays (the
-    reference backend) run one at a time, as each seeds the process's RNG. Results do not
-    depend on ``jobs`` or on the overlap: every replay is isolated.
+    :func:`needed_pools` lists for ``scenarios`` and ``backends``). The reference backend replays
+    in a one-rank pool of its own too where :func:`reference_pooled` (a CPU scenario that also
+    runs a multi-rank backend, inside a ``warm_pools`` block), else in this process, one replay at
+    a time (each seeds the process's RNG). Results do not depend on ``jobs``, the overlap or where
+    the reference replays: every replay is isolated, and a pooled reference replay is the
+    in-process one, bit for bit (same code, same intra-op threads: :data:`DEFAULT_THREADS`).
 
-    Why the reference stays in this process: it can start at once, on the core left idle while
-    the forkserver imports the model stack for the ranks (measured on 2 cores, same machine
-    state: `kl_k1` alone 25 s this way, 35 s with the reference in a one-rank pool of its own,
-    which has to wait for that import and then competes with four ranks)."""
+    Why the reference goes to a pool beside multi-rank backends: their ranks are forked from a
+    forkserver that imports torch, transformers and the model code anyway; replayed here, the
+    reference makes this process import transformers and the model code a second time (~2.5
+    CPU-s), on a machine whose cores the ranks already keep busy. Measured on 2 cores, back to
+    back in the same machine state: ``drgrpo_sum_norm`` alone 16.7 / 17.4 / 17.3 s in this
+    process, 14.3 / 15.2 / 15.2 s in a pool (CPU of the whole invocation 31-32 -> 26-27 s); the
+    whole suite 152.4 -> 149.1 s. (An earlier forkserver took longer to import, and a pooled
+    reference then lost to one started at once here: `kl_k1` alone 35 s against 25 s.)"""
 
     name = "local"
     concurrent_backends = True
@@ -114,15 +140,19 @@ class LocalExecutor:
     def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS, scenarios=(),
                  backends: list[str] | None = None, timeout: float = 300.0,
                  when_idle: Callable[[], object] | None = None):
-        """``when_idle``: called once, when the first in-process replay is back -- from then on
-        this process only waits for ranks until the checks (the CLI imports the report's and
-        MLflow's modules then: rlaudit.report.warm)."""
+        """``when_idle``: called once, when the first in-process replay is back or the first
+        pooled reference replay starts -- from then on this process only waits for ranks until
+        the checks (the CLI imports the report's and MLflow's modules then:
+        rlaudit.report.warm)."""
         self.progress = progress
         self.jobs = max(1, jobs)
         self.progress.parallel = self.jobs
         self._in_process = threading.Lock()
+        self._idle_lock = threading.Lock()
         self._scenarios, self._backends, self._timeout = list(scenarios), backends, timeout
         self._when_idle = when_idle
+        #: scenarios whose reference replays in a warm pool (set on entry: reference_pooled)
+        self._pooled_reference: set[str] = set()
 
     def __enter__(self) -> "LocalExecutor":
         import torch
@@ -134,6 +164,8 @@ class LocalExecutor:
         if warm is not None and self._scenarios:  # ranks start while this process loads
             from rlaudit.backends.launch import placement
 
+            self._pooled_reference = {scn.name for scn in self._scenarios
+                                      if reference_pooled(scn, self._backends)}
             # fewer cores than ranks in flight: each group's tasks on cores of their own
             warm.place(placement.for_groups(groups_in_flight(self._scenarios, self._backends,
                                                              self.jobs)))
@@ -148,11 +180,11 @@ class LocalExecutor:
     def map(self, scenarios, run_one: Callable) -> Iterator[tuple]:
         if self.jobs == 1:
             for scn in scenarios:
-                yield scn, run_one(scn, self._replayer(scn.name))
+                yield scn, run_one(scn, self._replayer(scn))
             return
         with concurrent.futures.ThreadPoolExecutor(self.jobs,
                                                    thread_name_prefix="rlaudit-job") as threads:
-            futures = [threads.submit(run_one, scn, self._replayer(scn.name))
+            futures = [threads.submit(run_one, scn, self._replayer(scn))
                        for scn in scenarios]
             try:
                 for scn, future in zip(scenarios, futures):
@@ -161,19 +193,30 @@ class LocalExecutor:
                 for f in futures:
                     f.cancel()
 
-    def _replayer(self, scenario: str):
+    def _replayer(self, scn):
         def replay(backend, request):
-            multi_rank = backend.name != "reference"
-            with contextlib.nullcontext() if multi_rank else self._in_process:
-                self.progress.start(scenario, backend.name)
+            reference = backend.name == "reference"
+            pooled = reference and scn.name in self._pooled_reference
+            if pooled:
+                self._idle()  # this process has no replay of its own: only ranks to wait for
+            with self._in_process if reference and not pooled else contextlib.nullcontext():
+                self.progress.start(scn.name, backend.name)
                 try:
+                    if pooled:
+                        return backend.replay_in_pool(request, threads=process_threads())
                     return backend.replay(request)
                 finally:
-                    self.progress.finish(scenario, backend.name)
-                    if not multi_rank and self._when_idle is not None:
-                        idle, self._when_idle = self._when_idle, None
-                        idle()
+                    self.progress.finish(scn.name, backend.name)
+                    if reference and not pooled:
+                        self._idle()
         return replay
+
+    def _idle(self) -> None:
+        """``when_idle``, the first time only."""
+        with self._idle_lock:
+            idle, self._when_idle = self._when_idle, None
+        if idle is not None:
+            idle()
 
 
 def make_executor(name: str, scenarios, *, backends: list[str] | None = None,

@@ -105,12 +105,7 @@ class RayExecutor:
             self.progress.start(scenario, backend.name)
             try:
                 if backend.name == "reference":
-                    from rlaudit.backends.reference import replay_in_rank
-
-                    return pool_mod.run_ranks(replay_in_rank, 1, pool="reference",
-                                              args=(request, self._threads),
-                                              device=request.device, timeout=request.timeout,
-                                              threads_per_rank=self._threads)[0]
+                    return backend.replay_in_pool(request, threads=self._threads)
                 return backend.replay(request)
             finally:
                 self.progress.finish(scenario, backend.name)
