@@ -14,7 +14,7 @@ import torch
 from rlaudit.backends import memo
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.replay import replay_variant
-from rlaudit.errors import InputError
+from rlaudit.errors import InputError, RankFailure
 from rlaudit.model.critic import ValueModel
 from rlaudit.model.load import load_model, load_tokenizer
 from rlaudit.update import forward_memo
@@ -103,7 +103,6 @@ class ReferenceBackend:
                 out[variant.name] = run
         return out
 
-
     def replay_in_pool(self, request: ReplayRequest, *, threads: int) -> dict[str, VariantRun]:
         """:meth:`replay` in a one-rank group (the warm pool :data:`POOL` of the enclosing
         ``warm_pools`` block -- local ranks or Ray's --; a one-shot group outside one), with
@@ -112,7 +111,6 @@ class ReferenceBackend:
         here too, as :meth:`replay` would have; any other failure is the group's
         :class:`~rlaudit.errors.RankFailure`."""
         from rlaudit.backends.launch.pool import run_ranks
-        from rlaudit.errors import RankFailure
 
         try:
             return run_ranks(replay_in_rank, 1, pool=POOL, args=(request, threads),
