@@ -1,4 +1,6 @@
-"""The reference backend: the reference trainer's models in this process, one rank.
+"""The reference backend: the reference trainer's models in one process, one rank -- the caller's
+(:meth:`ReferenceBackend.replay`) or a one-rank warm pool's (:meth:`ReferenceBackend.
+replay_in_pool`, what the executors use beside multi-rank backends).
 
 It is the oracle other backends are compared against. Its own independence comes from the tests
 of rlaudit.algo against naive loops and hand-worked numbers, and from the invariants.

@@ -43,7 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="override every scenario's device (nightly GPU job: cuda)")
     p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds a multi-rank backend may take per scenario (default: %(default)s)")
+                   help="seconds a backend replaying in a rank group may take per scenario: the "
+                        "multi-rank backends, and the reference beside them on the CPU "
+                        "(default: %(default)s)")
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="where the scenario x backend jobs run: this machine with warm rank "
                         "pools, or Ray (placement group per multi-rank job; default: %(default)s)")
@@ -51,7 +53,7 @@ def add_parser(sub) -> None:
                    help="join this Ray cluster (--executor ray; default: start a local one)")
     p.add_argument("--jobs", type=int, default=2, metavar="N",
                    help="scenarios in flight with the local executor (default: %(default)s: one "
-                        "scenario's in-process work overlaps another's multi-rank replay)")
+                        "scenario's one-core work overlaps another's multi-rank replay)")
     p.set_defaults(func=run)
 
 

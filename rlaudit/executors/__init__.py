@@ -54,7 +54,7 @@ def process_threads() -> int:
 def _pooled(scn, backends: list[str] | None) -> list[tuple[str, int]]:
     """``(pool name, world size)`` of each of ``scn``'s backends that replays in a warm pool: the
     backends whose ``rank_pool(layout)`` names one (an unavailable backend needs none; the
-    reference replays in-process)."""
+    reference's one-rank pool is :func:`reference_pooled`'s)."""
     from rlaudit.backends.registry import get_backend
     from rlaudit.scenarios.engine import planned_backends
 
@@ -96,7 +96,8 @@ def groups_in_flight(scenarios, backends: list[str] | None, jobs: int) -> int:
     """How many multi-rank groups may replay at once: the ``jobs`` scenarios with the most
     pooled backends, each running all of them concurrently (what the placement of the pools'
     ranks on cores is sized for: rlaudit/backends/launch/placement.py; a pooled reference
-    replay, one rank with one thread by default, is not pinned and not counted)."""
+    replay is one rank, never placed -- pool.PoolSet places multi-rank pools only -- and not
+    counted)."""
     counts = sorted((len(_pooled(scn, backends)) for scn in scenarios), reverse=True)
     return max(1, sum(counts[:max(1, jobs)]))
 
@@ -108,8 +109,8 @@ def job_count(scenarios, backends: list[str] | None) -> int:
     return sum(len(planned_backends(scn, backends)[0]) for scn in scenarios)
 
 
-#: Scenarios the local executor keeps in flight: two, so that one scenario's in-process work
-#: (reference replay, checks: one core) overlaps another's multi-rank replay (the ranks).
+#: Scenarios the local executor keeps in flight: two, so that one scenario's one-core work (its
+#: reference replay, its checks) overlaps another's multi-rank replay (the ranks).
 LOCAL_JOBS = 2
 
 
@@ -140,10 +141,10 @@ class LocalExecutor:
     def __init__(self, progress: Progress, *, jobs: int = LOCAL_JOBS, scenarios=(),
                  backends: list[str] | None = None, timeout: float = 300.0,
                  when_idle: Callable[[], object] | None = None):
-        """``when_idle``: called once, when the first in-process replay is back or the first
-        pooled reference replay starts -- from then on this process only waits for ranks until
-        the checks (the CLI imports the report's and MLflow's modules then:
-        rlaudit.report.warm)."""
+        """``when_idle``: called once, when the first in-process replay is back -- or when the
+        first pooled reference replay starts, if no reference replays in this process -- from
+        then on this process only waits for ranks until the checks (the CLI imports the
+        report's and MLflow's modules then: rlaudit.report.warm)."""
         self.progress = progress
         self.jobs = max(1, jobs)
         self.progress.parallel = self.jobs
@@ -151,21 +152,31 @@ class LocalExecutor:
         self._idle_lock = threading.Lock()
         self._scenarios, self._backends, self._timeout = list(scenarios), backends, timeout
         self._when_idle = when_idle
-        #: scenarios whose reference replays in a warm pool (set on entry: reference_pooled)
-        self._pooled_reference: set[str] = set()
+        #: scenarios (ids) whose reference replays in a warm pool (set on entry:
+        #: reference_pooled), and whether when_idle comes at the first of those replays
+        self._pooled_reference: set[int] = set()
+        self._idle_early = False
 
     def __enter__(self) -> "LocalExecutor":
         import torch
 
         from rlaudit.backends.launch.pool import active
         from rlaudit.cli.quiet import quiet_loggers
+        from rlaudit.scenarios.engine import planned_backends
 
         warm = active()
         if warm is not None and self._scenarios:  # ranks start while this process loads
             from rlaudit.backends.launch import placement
 
-            self._pooled_reference = {scn.name for scn in self._scenarios
+            self._pooled_reference = {id(scn) for scn in self._scenarios
                                       if reference_pooled(scn, self._backends)}
+            # idle at the first pooled reference replay only if no reference replays here:
+            # else after the first in-process one, which imports the model stack -- not while
+            # the background imports run (rlaudit/report/warm.py)
+            self._idle_early = not any(
+                id(scn) not in self._pooled_reference
+                and "reference" in planned_backends(scn, self._backends)[0]
+                for scn in self._scenarios)
             # fewer cores than ranks in flight: each group's tasks on cores of their own
             warm.place(placement.for_groups(groups_in_flight(self._scenarios, self._backends,
                                                              self.jobs)))
@@ -196,8 +207,8 @@ class LocalExecutor:
     def _replayer(self, scn):
         def replay(backend, request):
             reference = backend.name == "reference"
-            pooled = reference and scn.name in self._pooled_reference
-            if pooled:
+            pooled = reference and id(scn) in self._pooled_reference
+            if pooled and self._idle_early:
                 self._idle()  # this process has no replay of its own: only ranks to wait for
             with self._in_process if reference and not pooled else contextlib.nullcontext():
                 self.progress.start(scn.name, backend.name)

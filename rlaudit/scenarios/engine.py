@@ -108,8 +108,8 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     ``replay(backend, request) -> {variant: VariantRun}`` carries out one backend's replay
     (default ``backend.replay(request)``; rlaudit.executors pass theirs: progress, Ray).
     ``concurrent_backends``: hand every backend's replay to ``replay`` at once (threads), for an
-    executor whose replays may overlap (each is isolated: its own ranks, or the reference under
-    the executor's in-process lock); the results are the same, in the same order.
+    executor whose replays may overlap (each is isolated: its own ranks, or an in-process
+    reference replay under the executor's lock); the results are the same, in the same order.
     ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
     crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
     left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate)."""

@@ -95,6 +95,24 @@ def test_groups_in_flight_count_the_multi_rank_backends_of_the_busiest_scenarios
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(placement.usable_cpus()) < 2,
                     reason="needs thread affinity (Linux) and two usable cores")
+def test_a_placed_pool_set_places_its_multi_rank_pools_only():
+    """A one-rank pool (the local executor's pooled reference replays) has no collectives to
+    keep on a core: it runs anywhere, whatever its threads, before or after ``place``."""
+    from rlaudit.backends.launch.pool import PoolSet
+
+    pools = PoolSet()
+    try:
+        early = pools.pool("reference", 1, threads_per_rank=2)
+        where = CorePlacement([0, 1], groups=2)
+        pools.place(where)
+        late = pools.pool("reference-late", 1, threads_per_rank=2)
+        pair = pools.pool("fsdp", 2)
+        assert early.placement is None and late.placement is None
+        assert pair.placement is where
+    finally:
+        pools.close()
+
+
 def test_pool_ranks_move_every_thread_onto_the_task_cores_and_back():
     start = frozenset(placement.usable_cpus())
     core = min(start)

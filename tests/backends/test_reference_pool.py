@@ -24,11 +24,11 @@ MODEL = os.path.abspath(os.path.join(ROOT, "models", "qwen2-tiny-short"))
 ROLLOUT = os.path.abspath(os.path.join(ROOT, "rollouts", "short-ref.safetensors"))
 
 
-def _request(**kw) -> ReplayRequest:
+def _request(lr=0.01, **kw) -> ReplayRequest:
     cfg = load_config({"rollout": {"n": 4, "response_length": 12},
                        "actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 1,
                                  "calculate_entropy": True, "optim": {"name": "adamw",
-                                                                      "lr": 0.01}},
+                                                                      "lr": lr}},
                        "trainer": {"dtype": "float64"}})
     batch = load_rollout(ROLLOUT)
     return ReplayRequest(model=MODEL, variants=[Variant("a", cfg, batch, steps=2),
@@ -49,24 +49,29 @@ def _assert_same(a, b) -> None:
     for x, y in zip(a.params, b.params):
         assert torch.equal(x, y)
     assert a.micro_log == b.micro_log
+    assert torch.equal(a.params_initial, b.params_initial)
+    assert a.param_norms == b.param_norms and a.param_names == b.param_names
+    assert a.inputs_unchanged == b.inputs_unchanged
 
 
 @pytest.mark.slow
 def test_a_pooled_replay_is_the_in_process_replay_bit_for_bit():
-    request = _request()
+    request, other = _request(), _request(lr=0.02)
     torch.set_num_threads(1)
     with memo.disabled():
-        here = ReferenceBackend().replay(request)
+        here, other_here = ReferenceBackend().replay(request), ReferenceBackend().replay(other)
     with warm_pools() as pools:
         there = ReferenceBackend().replay_in_pool(request, threads=1)
-        again = ReferenceBackend().replay_in_pool(request, threads=1)  # the same warm rank
+        # the same warm rank after another task (a different config: not in its memo)
+        other_there = ReferenceBackend().replay_in_pool(other, threads=1)
         assert pools.stats["tasks"] == 2 and pools.stats["spawned"] == 1
         assert [key[0] for key in pools._pools] == [POOL]
-    assert list(there) == list(here) == ["a", "b"]
+    assert list(there) == list(here) == list(other_there) == ["a", "b"]
     for name in here:
         _assert_same(there[name], here[name])
-        _assert_same(again[name], here[name])
+        _assert_same(other_there[name], other_here[name])
         assert len(here[name].steps) == {"a": 2, "b": 1}[name]
+    assert other_here["a"].steps[0]["actor/lr"] != here["a"].steps[0]["actor/lr"]
 
 
 def test_an_input_error_in_the_rank_is_raised_as_the_in_process_one(tmp_path):

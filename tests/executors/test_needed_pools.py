@@ -51,8 +51,9 @@ def test_the_reference_goes_to_a_pool_only_beside_a_multi_rank_backend_on_the_cp
 
 def test_the_local_executor_sends_those_reference_replays_to_the_pool(monkeypatch):
     """Inside a warm_pools block the reference of a scenario beside a multi-rank backend goes to
-    ``replay_in_pool`` (the process is idle from its start: ``when_idle`` then), a reference-only
-    scenario's replays here; outside a block, every reference replays here."""
+    ``replay_in_pool``, a reference-only scenario's replays here; outside a block, every
+    reference replays here. ``when_idle`` comes after the first in-process replay -- or, when no
+    reference replays in-process, as the first pooled one starts."""
     from rlaudit.backends.launch import pool as pool_mod
     from rlaudit.backends.launch.pool import PoolSet, warm_pools
     from rlaudit.executors import LocalExecutor, Progress
@@ -74,16 +75,19 @@ def test_the_local_executor_sends_those_reference_replays_to_the_pool(monkeypatc
             calls.append(("pool", request, len(idle), threads))
             return {"base": request}
 
-    def run_all():
-        with LocalExecutor(Progress(2, enabled=False), jobs=1, scenarios=[kl_k1, stale_mask],
+    def run_all(scenarios=(kl_k1, stale_mask)):
+        with LocalExecutor(Progress(2, enabled=False), jobs=1, scenarios=scenarios,
                            when_idle=lambda: idle.append(1)) as ex:
-            return [res for _, res in ex.map([kl_k1, stale_mask],
+            return [res for _, res in ex.map(scenarios,
                                              lambda scn, replay: replay(Reference(), scn.name))]
 
     with warm_pools():
         assert run_all() == [{"base": "kl_k1"}, {"base": "rollout_is_stale_mask"}]
-    assert calls == [("pool", "kl_k1", 1, 1), ("here", "rollout_is_stale_mask", 1)]
-    assert idle == [1] and prestarted[0] == ("reference", 1, "cpu", 1)
+        assert calls == [("pool", "kl_k1", 0, 1), ("here", "rollout_is_stale_mask", 0)]
+        assert idle == [1] and prestarted[0] == ("reference", 1, "cpu", 1)
+        calls.clear(), idle.clear()
+        run_all((kl_k1,))  # nothing replays here: idle from the first pooled replay
+        assert calls == [("pool", "kl_k1", 1, 1)] and idle == [1]
     calls.clear(), idle.clear()
     monkeypatch.setattr(pool_mod, "_ACTIVE", [])  # no warm_pools block (not even the session's)
     run_all()
