@@ -96,8 +96,7 @@ def groups_in_flight(scenarios, backends: list[str] | None, jobs: int) -> int:
     """How many multi-rank groups may replay at once: the ``jobs`` scenarios with the most
     pooled backends, each running all of them concurrently (what the placement of the pools'
     ranks on cores is sized for: rlaudit/backends/launch/placement.py; a pooled reference
-    replay is one rank, never placed -- pool.PoolSet places multi-rank pools only -- and not
-    counted)."""
+    replay is one rank, never placed, and not counted)."""
     counts = sorted((len(_pooled(scn, backends)) for scn in scenarios), reverse=True)
     return max(1, sum(counts[:max(1, jobs)]))
 
@@ -129,11 +128,12 @@ class LocalExecutor:
     Why the reference goes to a pool beside multi-rank backends: their ranks are forked from a
     forkserver that imports torch, transformers and the model code anyway; replayed here, the
     reference makes this process import transformers and the model code a second time (~2.5
-    CPU-s), on a machine whose cores the ranks already keep busy. Measured on 2 cores, back to
-    back in the same machine state: ``drgrpo_sum_norm`` alone 16.7 / 17.4 / 17.3 s in this
-    process, 14.3 / 15.2 / 15.2 s in a pool (CPU of the whole invocation 31-32 -> 26-27 s); the
-    whole suite 152.4 -> 149.1 s. (An earlier forkserver took longer to import, and a pooled
-    reference then lost to one started at once here: `kl_k1` alone 35 s against 25 s.)"""
+    CPU-s), on a machine whose cores the ranks already keep busy. Measured on 2 cores,
+    alternating with the code before: ``drgrpo_sum_norm`` alone, 5 pairs, 31.9 -> 27.5 CPU-s and
+    17.4 -> 16.1 s (medians); the six heaviest scenarios, twice, median 15.4 -> 14.3 and 13.6 ->
+    12.8 s; ``run --all`` unchanged within the noise (the result transfer, ~0.2 s a scenario,
+    takes back what the one import saves). (An earlier forkserver took longer to import, and a
+    pooled reference then lost to one started at once here: `kl_k1` alone 35 s against 25 s.)"""
 
     name = "local"
     concurrent_backends = True
@@ -168,15 +168,14 @@ class LocalExecutor:
         if warm is not None and self._scenarios:  # ranks start while this process loads
             from rlaudit.backends.launch import placement
 
-            self._pooled_reference = {id(scn) for scn in self._scenarios
+            with_reference = [scn for scn in self._scenarios
+                              if "reference" in planned_backends(scn, self._backends)[0]]
+            self._pooled_reference = {id(scn) for scn in with_reference
                                       if reference_pooled(scn, self._backends)}
             # idle at the first pooled reference replay only if no reference replays here:
             # else after the first in-process one, which imports the model stack -- not while
             # the background imports run (rlaudit/report/warm.py)
-            self._idle_early = not any(
-                id(scn) not in self._pooled_reference
-                and "reference" in planned_backends(scn, self._backends)[0]
-                for scn in self._scenarios)
+            self._idle_early = len(self._pooled_reference) == len(with_reference)
             # fewer cores than ranks in flight: each group's tasks on cores of their own
             warm.place(placement.for_groups(groups_in_flight(self._scenarios, self._backends,
                                                              self.jobs)))

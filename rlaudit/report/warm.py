@@ -7,8 +7,8 @@ localised failure's drift-vs-depth plot needs matplotlib -- imported then.)
 :func:`warm_report_imports` moves them into a background thread started while this process has
 nothing else to import -- the local executor calls it once the first in-process replay is back,
 or when the first reference replay it sends to a warm pool starts if no reference replays in
-this process: from then on the scenarios' time is spent in other processes' ranks. It only imports; any failure is left for the report or the MLflow logging to meet and
-report as usual.
+this process: from then on the scenarios' time is spent in other processes' ranks. It only
+imports; any failure is left for the report or the MLflow logging to meet and report as usual.
 """
 
 from __future__ import annotations

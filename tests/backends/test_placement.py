@@ -47,7 +47,7 @@ def test_blocks_go_to_the_least_busy_first_and_come_back():
 @pytest.mark.parametrize("cpus, groups, world, threads, device, expected", [
     ([0, 1], 1, 2, 1, "cpu", None),                    # one group, a core per rank: not pinned
     ([0, 1], 1, 4, 1, "cpu", (0, 1)),                  # four ranks on two cores: the block
-    ([0, 1], 2, 1, 2, "cpu", (0,)),                    # one rank, two threads, one core each
+    ([0, 1], 2, 1, 2, "cpu", None),                    # one rank: no collectives, not placed
     ([0, 1], 2, 2, 1, "cuda", None),                   # GPU ranks are never placed
     (list(range(16)), 4, 2, 1, "cpu", None),           # 16 cores, 4 groups: 4 cores for 2 ranks
     (list(range(16)), 4, 8, 1, "cpu", (0, 1, 2, 3)),   # ... and for 8, the first block of 4
@@ -95,24 +95,6 @@ def test_groups_in_flight_count_the_multi_rank_backends_of_the_busiest_scenarios
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(placement.usable_cpus()) < 2,
                     reason="needs thread affinity (Linux) and two usable cores")
-def test_a_placed_pool_set_places_its_multi_rank_pools_only():
-    """A one-rank pool (the local executor's pooled reference replays) has no collectives to
-    keep on a core: it runs anywhere, whatever its threads, before or after ``place``."""
-    from rlaudit.backends.launch.pool import PoolSet
-
-    pools = PoolSet()
-    try:
-        early = pools.pool("reference", 1, threads_per_rank=2)
-        where = CorePlacement([0, 1], groups=2)
-        pools.place(where)
-        late = pools.pool("reference-late", 1, threads_per_rank=2)
-        pair = pools.pool("fsdp", 2)
-        assert early.placement is None and late.placement is None
-        assert pair.placement is where
-    finally:
-        pools.close()
-
-
 def test_pool_ranks_move_every_thread_onto_the_task_cores_and_back():
     start = frozenset(placement.usable_cpus())
     core = min(start)

@@ -85,10 +85,12 @@ def test_the_local_executor_sends_those_reference_replays_to_the_pool(monkeypatc
         assert run_all() == [{"base": "kl_k1"}, {"base": "rollout_is_stale_mask"}]
         assert calls == [("pool", "kl_k1", 0, 1), ("here", "rollout_is_stale_mask", 0)]
         assert idle == [1] and prestarted[0] == ("reference", 1, "cpu", 1)
-        calls.clear(), idle.clear()
+        calls.clear()
+        idle.clear()
         run_all((kl_k1,))  # nothing replays here: idle from the first pooled replay
         assert calls == [("pool", "kl_k1", 1, 1)] and idle == [1]
-    calls.clear(), idle.clear()
+    calls.clear()
+    idle.clear()
     monkeypatch.setattr(pool_mod, "_ACTIVE", [])  # no warm_pools block (not even the session's)
     run_all()
     assert calls == [("here", "kl_k1", 0), ("here", "rollout_is_stale_mask", 1)] and idle == [1]

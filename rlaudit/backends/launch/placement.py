@@ -66,8 +66,11 @@ class CorePlacement:
     def acquire(self, world_size: int, *, device: str = "cpu",
                 threads_per_rank: int = 1) -> tuple[int, ...] | None:
         """The cores for a task of a group of ``world_size`` ranks, or None (run anywhere): on a
-        GPU, or when its block would hold every thread of the group anyway."""
-        if device != "cpu" or not self.blocks or self.share >= world_size * threads_per_rank:
+        GPU, for one rank (no collectives to keep on a core: the local executor's pooled
+        reference replays, whatever their threads, float as the CLI's own replays did), or when
+        its block would hold every thread of the group anyway."""
+        if (device != "cpu" or not self.blocks or world_size < 2
+                or self.share >= world_size * threads_per_rank):
             return None
         with self._lock:
             block = min(self.blocks, key=lambda b: self._busy[b])  # first of the least busy

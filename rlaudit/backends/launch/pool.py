@@ -286,14 +286,12 @@ class PoolSet:
         self._placement = None
 
     def place(self, placement) -> None:
-        """Run every multi-rank pool's tasks where ``placement`` (a
-        :class:`placement.CorePlacement`, or None: anywhere) says, from their next task on. A
-        one-rank pool (the local executor's reference replays) runs anywhere: it has no
-        collectives to keep on a core."""
+        """Run every pool's tasks where ``placement`` (a :class:`placement.CorePlacement`, or
+        None: anywhere) says, from their next task on."""
         with self._lock:
             self._placement = placement
             for p in self._pools.values():
-                p.placement = placement if p.world_size > 1 else None
+                p.placement = placement
 
     def pool(self, name: str, world_size: int, *, device: str = "cpu",
              backend: str | None = None, env: Mapping[str, str] | None = None,
@@ -307,7 +305,7 @@ class PoolSet:
                 self._pools[key] = RankPool(world_size, device=device, backend=backend, env=env,
                                             threads_per_rank=threads_per_rank,
                                             torch_timeout=timeout)
-                self._pools[key].placement = self._placement if world_size > 1 else None
+                self._pools[key].placement = self._placement
             return self._pools[key]
 
     def prestart(self, keys, *, timeout: float = 300.0) -> threading.Thread:
