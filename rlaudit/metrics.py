@@ -130,3 +130,9 @@ def check_known(names: Iterable[str]) -> None:
 def golden_names(names: Iterable[str]) -> list[str]:
     """The subset of ``names`` that goldens compare (timing and bookkeeping excluded)."""
     return sorted(n for n in names if CATALOGUE.get(n) is not None and CATALOGUE[n].golden)
+
+
+def golden_bound(ref: float, rtol: float, atol: float) -> float:
+    """How far a value may lie from ``ref`` under the golden comparison's rule: it passes when
+    ``|value - ref| <= atol + rtol * |ref|`` (a NaN anywhere fails)."""
+    return atol + rtol * abs(ref)

@@ -35,7 +35,7 @@ from typing import Any
 import pandas as pd
 
 from rlaudit.errors import InputError
-from rlaudit.metrics import CATALOGUE
+from rlaudit.metrics import CATALOGUE, golden_bound
 from rlaudit.report import render as R
 from rlaudit.report.mlflow_log import INVOCATION, KIND_TAG, SCENARIO
 
@@ -176,7 +176,7 @@ def fetch_window(client, experiment: str, sel: Selection) -> Window:
 # ---- analysis ----------------------------------------------------------------------------------
 
 def out_of_bounds(v: float, ref: float, rtol: float, atol: float) -> bool:
-    return not (abs(v - ref) <= atol + rtol * abs(ref))  # NaN -> True
+    return not (abs(v - ref) <= golden_bound(ref, rtol, atol))  # NaN -> True
 
 
 def _rel(v: float, ref: float) -> float:
@@ -216,7 +216,7 @@ def analyse(window: Window) -> pd.DataFrame:
             g_out = gold is not None and out_of_bounds(v, gold, grtol, gatol)
             d_out = out_of_bounds(v, first, rtol, atol)
             history.append({"inv": int(r.inv), "value": v, "golden": gold,
-                            "bound": None if gold is None else gatol + grtol * abs(gold),
+                            "bound": None if gold is None else golden_bound(gold, grtol, gatol),
                             "golden_out": g_out, "drift_out": d_out})
             streak = (streak if streak is not None else int(r.inv)) if (g_out or d_out) else None
         last = history[-1]
@@ -294,7 +294,7 @@ def plot_history(row, window: Window) -> bytes:
     h = row.history
     xs = [p["inv"] for p in h]
     fig, ax = plt.subplots(figsize=(6.4, 3.0), layout="constrained")
-    tol = row.atol + row.rtol * abs(row.first)
+    tol = golden_bound(row.first, row.rtol, row.atol)
     ax.axhspan(row.first - tol, row.first + tol, color="#0969da", alpha=0.08,
                label="first run ± tol")
     gold = [p for p in h if p["golden"] is not None]

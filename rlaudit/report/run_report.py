@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 from pathlib import Path
 
-from rlaudit.metrics import golden_names
+from rlaudit.metrics import golden_bound, golden_names
 from rlaudit.report import localise_view as LV
 from rlaudit.report import render as R
 from rlaudit.report import svg
@@ -97,7 +97,7 @@ def plot_metrics(res: ScenarioResult) -> bytes | None:
     band: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
     for g in res.golden:
         for r in g.rows:
-            bound = r["atol"] + r["rtol"] * abs(r["golden"])
+            bound = golden_bound(r["golden"], r["rtol"], r["atol"])
             band.setdefault((g.backend, r["metric"]), []).append(
                 (r["step"], r["golden"] - bound, r["golden"] + bound))
     colour = {b: svg.PALETTE[i % len(svg.PALETTE)] for i, b in enumerate(res.backends)}

@@ -43,7 +43,7 @@ import torch
 import rlaudit
 from rlaudit.config import Config, flatten, to_dict
 from rlaudit.data.io import rollout_sha256
-from rlaudit.metrics import golden_names
+from rlaudit.metrics import golden_bound, golden_names
 from rlaudit.model.load import snapshot_id
 from rlaudit.scenarios.result import (BLESSED, GOLDEN_FAIL, GOLDEN_PASS, NO_GOLDEN, REFUSED, STALE,
                                       GoldenResult)
@@ -248,7 +248,7 @@ def compare(golden: dict, metrics_by_step: list[dict[str, float]]
             drift = abs(value - ref) / max(abs(ref), 1e-12)
             if math.isfinite(drift):
                 worst = max(worst, drift)
-            bound = w["atol"] + w["rtol"] * abs(ref)
+            bound = golden_bound(ref, w["rtol"], w["atol"])
             rows.append({"metric": name, "step": step, "value": value, "golden": ref,
                          "rtol": w["rtol"], "atol": w["atol"], "drift": drift,
                          "ok": abs(value - ref) <= bound})
