@@ -66,6 +66,8 @@ def render_result(res: ScenarioResult) -> str:
             out.append(f"  n/a [{b}]: no check applied to this backend: "
                        f"{'; '.join(why[:2])}{more}")
     for b, err in res.errors.items():
+        if len(err.splitlines()) < 2:
+            continue        # the whole of it is the ERROR line above
         out.append(f"  backend {b} crashed:\n" + "\n".join("    " + ln for ln in err.splitlines()[-15:]))
     return "\n".join(out)
 

@@ -25,7 +25,7 @@ from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.replay import RECORDED_FIELDS
 from rlaudit.config import Config
 from rlaudit.data.batch import KNOWN_FIELDS, RolloutBatch
-from rlaudit.errors import InputError
+from rlaudit.errors import CheckFailed, InputError
 from rlaudit.heap import freeze_long_lived
 from rlaudit.targets.adapter import TrainStepOutput, adapter_name, supports
 from rlaudit.update.plan import describe_micro
@@ -150,6 +150,26 @@ def to_variant_run(variant: Variant, out: TrainStepOutput, *, source: str,
     return run
 
 
+def _same_rows_kept(out: Any, *, handed: int, want: int, config: Config, source: str) -> None:
+    """A self-filtering target (``filters_groups``) handed ``handed`` rows must keep the ``want``
+    rows of the groups the reference keeps. Per-token outputs over another row count are its
+    group filter deciding otherwise -- a filter on another metric, or one that keeps or drops
+    the wrong groups --: a finding (:class:`CheckFailed`, exit 1), not malformed output."""
+    rows = {int(t.shape[0]) for t in (getattr(out, "log_probs", None),
+                                      getattr(out, "entropy", None),
+                                      *(getattr(out, "tokens", None) or {}).values())
+            if isinstance(t, torch.Tensor) and t.dim() == 2}
+    if len(rows) != 1 or rows == {want}:
+        return              # nothing per-token, or inconsistent shapes: to_variant_run says so
+    (got,) = rows
+    fg = config.algorithm.filter_groups
+    raise CheckFailed(
+        f"{source}: its DAPO group filter (algorithm.filter_groups, metric {fg.metric!r}) kept "
+        f"{got} of the {handed} rows it was handed, where the reference keeps {want} (every "
+        f"row of a group whose {fg.metric} has spread); a filter on another metric, or one that "
+        f"keeps or drops the wrong groups")
+
+
 def _seq(x: Any, source: str) -> list:
     """One level of TrainStepOutput.microbatches (steps > ranks > optimizer steps > micros)."""
     if not isinstance(x, (list, tuple)):
@@ -206,6 +226,9 @@ class AdapterBackend:
         # what a trainer imports in its first step (TRL's adapter: TRL, accelerate, datasets)
         # stays off the full collections its later steps ask for (rlaudit/heap.py)
         freeze_long_lived()
+        if variant.name in self.inputs:
+            _same_rows_kept(out, handed=len(batch), want=len(variant.batch),
+                            config=variant.config, source=f"{self.name}.train_step")
         run = to_variant_run(variant, out, source=f"{self.name}.train_step",
                              model_path=request.model, dtype=request.dtype)
         run.inputs_unchanged = unchanged_since(batch, before)

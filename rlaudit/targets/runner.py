@@ -27,7 +27,7 @@ from pathlib import Path
 from rlaudit.backends.base import ReplayRequest
 from rlaudit.backends.registry import get_backend
 from rlaudit.config import flatten, to_dict
-from rlaudit.errors import InputError
+from rlaudit.errors import CheckFailed, InputError
 from rlaudit.heap import freeze_long_lived
 from rlaudit.metrics import golden_names
 from rlaudit.scenarios.engine import build_variants, check_sampling_matches
@@ -147,6 +147,8 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
                 res.metrics[b] = runs[b]["base"].steps
         except InputError:
             raise
+        except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
+            res.errors[b] = f"{type(e).__name__}: {e}"
         except Exception as e:  # a crashing trainer is a finding, reported with its traceback
             res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     for b, err in res.errors.items():

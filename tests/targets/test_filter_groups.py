@@ -175,3 +175,40 @@ def test_self_filtering_trainer_misaligning_a_field_is_caught_at_run_level():
         assert c.status == want, (adapter.name, c.message)
         if want == FAIL:
             assert "actor/grad_norm" in c.message or "score" in c.message
+
+
+class _FiltersOnTheRawScore(broken.toy.ToyTrainer):
+    @staticmethod
+    def filter_groups(data, metric):    # DAPO filter on the rule score, whatever the metric
+        return broken.toy.ToyTrainer.filter_groups(data, data["scores"].double())
+
+
+class _PenaltyFromTrainedTokens(broken.toy.ToyTrainer):
+    def overlong_penalty(self, data):   # length = trained tokens (a tool's output left out)
+        width = data["responses"].shape[1]
+        full = data["attention_mask"][:, -width:]
+        return super().overlong_penalty({**data, "attention_mask": torch.cat(
+            [full[:, :-width], data["response_mask"].to(full.dtype)], dim=1)})
+
+
+@pytest.mark.slow
+def test_a_self_filtering_trainer_keeping_other_groups_is_a_finding_not_bad_input():
+    """A toy trainer whose own DAPO filter reads the raw score instead of ``seq_reward`` keeps
+    24 of the 32 rows it is handed where the reference keeps 28: its outputs cannot line up
+    with the reference's, and that is a finding of the run (exit 1: the target's ERROR with
+    what its filter kept), not a malformed adapter (an InputError, exit 2, as before). A
+    penalty taken from the count of trained tokens instead of the length fails reward-shaping
+    on the same scenario (its row 28 has a hole inside the overlong buffer)."""
+    from rlaudit.scenarios.result import ERROR
+    from rlaudit.targets.runner import run_target
+    adapter = broken.toy_with(_FiltersOnTheRawScore, "filters-on-the-raw-score")()
+    (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
+                        invariants=["backend-parity"])[1:]
+    (err,) = [c for c in res.checks if c.backend == adapter.name and c.status == ERROR]
+    assert "kept 24 of the 32 rows" in err.message and "keeps 28" in err.message, err.message
+    assert "Traceback" not in res.errors[adapter.name]
+    adapter = broken.toy_with(_PenaltyFromTrainedTokens, "penalty-from-trained-tokens")()
+    (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
+                        invariants=["reward-shaping"])[1:]
+    (c,) = [c for c in res.checks if c.backend == adapter.name]
+    assert c.status == FAIL and "token_level_scores" in c.message, c.message

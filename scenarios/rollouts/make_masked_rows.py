@@ -1,0 +1,73 @@
+"""Build ``short-ref-masked`` and ``short-dapo-holes``: two recorded rollouts edited where a real
+trainer's data differs from a freshly sampled batch. Deterministic: re-running it rewrites the
+same files (the sidecars' sha256 do not change).
+
+    PYTHONPATH=. python scenarios/rollouts/make_masked_rows.py
+
+``short-ref-masked`` (from ``short-ref``, 4 x 4): row 13, the one response that hit the length
+limit (12 tokens), is masked out of the loss whole -- DAPO's overlong filtering, which keeps the
+row (its score still counts in its group) but trains on none of its tokens -- and rows 5 and 9
+get holes (a tool's output: context for later tokens, not trained on). A mini-batch of 8 rows
+sharded over two data-parallel ranks then gives one rank a row without a trained token and the
+other none: a per-sequence denominator must count the rows of every rank, not its own times the
+rank count (used by agg_seq_mean_token_mean).
+
+``short-dapo-holes`` (from ``short-dapo``, 8 x 4): row 28, the over-long one (12 tokens, inside
+the overlong buffer's 4), gets a hole of 3 tokens, so its length is not its count of trained
+tokens (the overlong penalty is a function of the length); and its score is set to that of the
+other three rows of its group (0.8333): the group's scores then have no spread and only the
+overlong penalty spreads its rewards -- dynamic sampling on ``seq_reward`` keeps it, on the raw
+score it would drop it (used by dapo_filter_overlong).
+"""
+
+from pathlib import Path
+
+import torch
+
+from rlaudit.data.batch import RolloutBatch
+from rlaudit.data.io import load_rollout, save_rollout
+
+HERE = Path(__file__).resolve().parent
+RECIPE = "PYTHONPATH=. python scenarios/rollouts/make_masked_rows.py"
+
+#: name -> (source, {row: response columns masked out; None: the whole row}, {row: score})
+EDITS = {
+    "short-ref-masked": ("short-ref", {13: None, 5: (1,), 9: (2, 3)}, {}),
+    "short-dapo-holes": ("short-dapo", {28: (3, 4, 5)}, {28: (29, "score of row 29")}),
+}
+
+
+def derive(name: str, out_dir: Path = HERE) -> Path:
+    """Write ``name`` (safetensors + sidecar) into ``out_dir``; returns the safetensors path."""
+    source, holes, scores_from = EDITS[name]
+    src = load_rollout(HERE / f"{source}.safetensors")
+    mask = src["response_mask"].clone()
+    lengths = src["response_lengths"]
+    for row, cols in holes.items():
+        if cols is None:
+            mask[row] = False
+            continue
+        # each hole keeps trained tokens before and after it
+        assert 0 < min(cols) and int(lengths[row]) > max(cols) + 1, (name, row, cols)
+        mask[row, list(cols)] = False
+    scores = src["scores"].clone()
+    for row, (other, _why) in scores_from.items():
+        scores[row] = scores[other]
+    out = RolloutBatch.from_tensors({**src.tensors, "response_mask": mask, "scores": scores},
+                                    kinds=src.kinds, meta=src.meta, source="make_masked_rows")
+    path = out_dir / f"{name}.safetensors"
+    save_rollout(out, path, meta={
+        "derived_from": source,
+        "masked": {str(k): ("whole row" if v is None else list(v)) for k, v in holes.items()},
+        "scores": {str(k): why for k, (_o, why) in scores_from.items()},
+        "recipe": RECIPE})
+    return path
+
+
+def main() -> None:
+    for name in EDITS:
+        derive(name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""What the edited rollouts of scenarios/rollouts/make_masked_rows.py give the scenarios that use
+them -- the data a bug needs in order to change a result (a blind audit found both holes):
+
+- a seq-mean scenario sharded over data-parallel ranks must hand them different counts of rows
+  with a trained token in some mini-batch, or ``N_seq = local count x ranks`` equals the true
+  all-reduced count and a backend computing it so passes every check;
+- the DAPO scenario must keep other groups when its filter reads the raw score instead of
+  ``seq_reward``, and hold a row inside the overlong buffer whose length is not its count of
+  trained tokens, or a filter on the wrong metric and a penalty from the wrong length pass.
+
+And the committed files are what the script writes (byte for byte, sidecars included).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from rlaudit.algo.dapo import filter_groups, overlong_penalty
+from rlaudit.data.batching import shard_for_dp, split_minibatches
+from rlaudit.data.io import load_rollout
+from rlaudit.scenarios.spec import load_scenario, resolve
+from rlaudit.update.step import filter_metric
+
+REPO = Path(__file__).resolve().parents[2]
+ROLLOUTS = REPO / "scenarios" / "rollouts"
+
+
+def _scenario(name: str):
+    return load_scenario(resolve([name], all_=False, root=str(REPO / "scenarios"))[0])
+
+
+def _trained_rows_per_rank(batch, cfg, dp: int) -> list[list[int]]:
+    """Per mini-batch, per data-parallel rank: rows holding a trained token."""
+    rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    out = []
+    for mb in split_minibatches(batch, rows, shuffle=cfg.actor.shuffle, seed=cfg.trainer.seed):
+        shards = shard_for_dp(mb, dp, balance=cfg.trainer.balance_batch)
+        out.append([int(s.mask.any(dim=-1).sum()) for s in shards])
+    return out
+
+
+def test_a_seq_mean_scenario_gives_dp_ranks_different_counts_of_trained_rows():
+    seen = {}
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        scn = load_scenario(path)
+        dp = max([layout.get("dp", 1) for b, layout in scn.backends.items()
+                  if b != "reference"], default=1)
+        if not scn.config.actor.loss_agg_mode.startswith("seq-mean") or dp < 2:
+            continue
+        counts = _trained_rows_per_rank(load_rollout(scn.rollout), scn.config, dp)
+        seen[scn.name] = counts
+    assert "agg_seq_mean_token_mean" in seen, sorted(seen)
+    uneven = {n: c for n, c in seen.items() if any(len(set(ranks)) > 1 for ranks in c)}
+    assert "agg_seq_mean_token_mean" in uneven, seen
+    # the edit made it so: the recorded rollout it comes from is even
+    scn = _scenario("agg_seq_mean_token_mean")
+    src = load_rollout(ROLLOUTS / "short-ref.safetensors")
+    assert all(len(set(r)) == 1 for r in _trained_rows_per_rank(src, scn.config, 2))
+
+
+def test_the_dapo_scenario_separates_seq_reward_from_the_raw_score_and_length_from_tokens():
+    scn = _scenario("dapo_filter_overlong")
+    cfg = scn.config
+    assert cfg.algorithm.filter_groups.metric == "seq_reward"
+    raw = load_rollout(scn.rollout)
+    on_seq_reward = filter_groups(raw["uid"], filter_metric(raw, cfg))
+    on_score = filter_groups(raw["uid"], raw["scores"].double())
+    assert not torch.equal(on_seq_reward, on_score)
+    ob = cfg.reward.overlong_buffer
+    max_len = cfg.rollout.response_length
+
+    def penalty(lengths):
+        return overlong_penalty(lengths, max_response_length=max_len, buffer_len=ob.len,
+                                penalty_factor=ob.penalty_factor, dtype=torch.float64)
+
+    by_length = penalty(raw["response_lengths"])
+    by_tokens = penalty(raw["response_mask"].sum(-1))
+    differs = (by_length != by_tokens) & on_seq_reward
+    assert differs.any(), "no kept row whose penalty depends on length vs trained tokens"
+
+
+def _make_module():
+    spec = importlib.util.spec_from_file_location("make_masked_rows",
+                                                  ROLLOUTS / "make_masked_rows.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_committed_rollouts_are_what_the_script_writes(tmp_path):
+    mod = _make_module()
+    for name in mod.EDITS:
+        out = mod.derive(name, tmp_path)
+        assert out.read_bytes() == (ROLLOUTS / out.name).read_bytes(), name
+        got = json.loads(out.with_suffix(".json").read_text())
+        want = json.loads((ROLLOUTS / out.with_suffix(".json").name).read_text())
+        assert got == want, name
