@@ -105,6 +105,11 @@ def _run(args) -> int:
             for res in results:
                 print(render_result(res), flush=True)
                 print(flush=True)
+        if not args.scenarios and not args.all:
+            print("rlaudit: the stage checks and the built-in scenario only; `--all` replays "
+                  "every shipped scenario on the target too (optimizer state over steps, stale "
+                  "rollouts, DAPO, distillation, ...): what a release audit runs",
+                  file=sys.stderr)
     else:
         from rlaudit.scenarios.outcome import run_isolated
         from rlaudit.scenarios.validate import validate_invocation

@@ -110,8 +110,11 @@ def test_cli_exit_codes_and_json(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     common = ["--no-mlflow", "--report-dir", str(tmp_path), "--json"]
     assert main(["run", "--target", "test_runner:instance", *common]) == 0
-    out = json.loads(capsys.readouterr().out)
+    seen = capsys.readouterr()
+    out = json.loads(seen.out)
     assert out[0]["scenario"] == "stages" and out[0]["passed"]
+    # no scenario named: stderr says what --all would add, stdout stays JSON only
+    assert "`--all` replays every shipped scenario" in seen.err
     assert main(["run", "--target", "test_runner:GroupsByPositionOnly", *common]) == 1
     out = json.loads(capsys.readouterr().out)
     failed = [c["invariant"] for c in out[0]["checks"] if c["status"] == FAIL]
