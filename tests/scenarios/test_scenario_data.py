@@ -5,8 +5,11 @@ them -- the data a bug needs in order to change a result (a blind audit found bo
   with a trained token in some mini-batch, or ``N_seq = local count x ranks`` equals the true
   all-reduced count and a backend computing it so passes every check;
 - the DAPO scenario must keep other groups when its filter reads the raw score instead of
-  ``seq_reward``, and hold a row inside the overlong buffer whose length is not its count of
-  trained tokens, or a filter on the wrong metric and a penalty from the wrong length pass.
+  ``seq_reward``, hold a row inside the overlong buffer whose length is not its count of
+  trained tokens, and configure a longest response above its batch's padded width, or a filter
+  on the wrong metric and a penalty from the wrong length or limit pass;
+- some scenario must put a KL term against a reference policy on a rollout sampled at a
+  temperature other than 1, or reference log-probs taken without the temperature pass.
 
 And the committed files are what the script writes (byte for byte, sidecars included).
 """
@@ -81,6 +84,23 @@ def test_the_dapo_scenario_separates_seq_reward_from_the_raw_score_and_length_fr
     by_tokens = penalty(raw["response_mask"].sum(-1))
     differs = (by_length != by_tokens) & on_seq_reward
     assert differs.any(), "no kept row whose penalty depends on length vs trained tokens"
+    # the configured limit is not the batch's padded width (batches pad to their longest row)
+    assert max_len > raw.response_width
+    at_width = overlong_penalty(raw["response_lengths"], max_response_length=raw.response_width,
+                                buffer_len=ob.len, penalty_factor=ob.penalty_factor,
+                                dtype=torch.float64)
+    assert ((at_width != by_length) & on_seq_reward).any()
+
+
+def test_a_kl_term_meets_a_rollout_sampled_at_a_temperature():
+    found = []
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        scn = load_scenario(path)
+        cfg = scn.config
+        kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        if kl and scn.ref_model is not None and cfg.rollout.temperature != 1.0:
+            found.append(scn.name)
+    assert "rollout_temperature" in found, found
 
 
 def _make_module():
