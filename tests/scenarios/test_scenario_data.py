@@ -119,3 +119,13 @@ def test_the_committed_rollouts_are_what_the_script_writes(tmp_path):
         got = json.loads(out.with_suffix(".json").read_text())
         want = json.loads((ROLLOUTS / out.with_suffix(".json").name).read_text())
         assert got == want, name
+
+
+def test_a_critic_scenario_gives_the_critic_other_optimizer_settings_than_the_actor():
+    """Equal settings hide a critic optimizer built from the actor's (a blind audit's miss)."""
+    critics = []
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        scn = load_scenario(path)
+        if scn.config.use_critic:
+            critics.append((scn.name, scn.config.critic.optim != scn.config.actor.optim))
+    assert critics and all(differ for _, differ in critics), critics
