@@ -1,16 +1,21 @@
-"""Build ``short-ref-masked`` and ``short-dapo-holes``: two recorded rollouts edited where a real
-trainer's data differs from a freshly sampled batch. Deterministic: re-running it rewrites the
-same files (the sidecars' sha256 do not change).
+"""Build the rollouts derived from recorded ones by editing the mask or a score: where a real
+trainer's data differs from a freshly sampled batch. Deterministic: re-running it rewrites the same
+files (the sidecars' sha256 do not change).
 
     PYTHONPATH=. python scenarios/rollouts/make_masked_rows.py
+
+``short-vllm-t07-holes`` (from ``short-vllm-t07``, 4 x 4): holes punched inside four responses,
+as a tool's output in a multi-turn rollout (context for later tokens, not trained on). Used by
+the TRL whole-trainer scenarios (scenarios/trl_*.yaml): uneven rows (2..12 tokens), prompts of
+three lengths (5, 7, 8: left padding in trainers that left-pad), and response_mask False
+*inside* responses as well as after them.
 
 ``short-ref-masked`` (from ``short-ref``, 4 x 4): row 13, the one response that hit the length
 limit (12 tokens), is masked out of the loss whole -- DAPO's overlong filtering, which keeps the
 row (its score still counts in its group) but trains on none of its tokens -- and rows 5 and 9
-get holes (a tool's output: context for later tokens, not trained on). A mini-batch of 8 rows
-sharded over two data-parallel ranks then gives one rank a row without a trained token and the
-other none: a per-sequence denominator must count the rows of every rank, not its own times the
-rank count (used by agg_seq_mean_token_mean).
+get holes. A mini-batch of 8 rows sharded over two data-parallel ranks then gives one rank a row
+without a trained token and the other none: a per-sequence denominator must count the rows of
+every rank, not its own times the rank count (used by agg_seq_mean_token_mean).
 
 ``short-dapo-holes`` (from ``short-dapo``, 8 x 4): row 28, the over-long one (12 tokens, inside
 the overlong buffer's 4), gets a hole of 3 tokens, so its length is not its count of trained
@@ -30,10 +35,12 @@ from rlaudit.data.io import load_rollout, save_rollout
 HERE = Path(__file__).resolve().parent
 RECIPE = "PYTHONPATH=. python scenarios/rollouts/make_masked_rows.py"
 
-#: name -> (source, {row: response columns masked out; None: the whole row}, {row: score})
+#: name -> (source, {row: response columns masked out; None: the whole row},
+#:          {row: the row whose score it takes})
 EDITS = {
+    "short-vllm-t07-holes": ("short-vllm-t07", {1: (1,), 7: (3, 4, 5), 10: (6, 7), 13: (2,)}, {}),
     "short-ref-masked": ("short-ref", {13: None, 5: (1,), 9: (2, 3)}, {}),
-    "short-dapo-holes": ("short-dapo", {28: (3, 4, 5)}, {28: (29, "score of row 29")}),
+    "short-dapo-holes": ("short-dapo", {28: (3, 4, 5)}, {28: 29}),
 }
 
 
@@ -51,7 +58,7 @@ def derive(name: str, out_dir: Path = HERE) -> Path:
         assert 0 < min(cols) and int(lengths[row]) > max(cols) + 1, (name, row, cols)
         mask[row, list(cols)] = False
     scores = src["scores"].clone()
-    for row, (other, _why) in scores_from.items():
+    for row, other in scores_from.items():
         scores[row] = scores[other]
     out = RolloutBatch.from_tensors({**src.tensors, "response_mask": mask, "scores": scores},
                                     kinds=src.kinds, meta=src.meta, source="make_masked_rows")
@@ -59,7 +66,7 @@ def derive(name: str, out_dir: Path = HERE) -> Path:
     save_rollout(out, path, meta={
         "derived_from": source,
         "masked": {str(k): ("whole row" if v is None else list(v)) for k, v in holes.items()},
-        "scores": {str(k): why for k, (_o, why) in scores_from.items()},
+        "scores": {str(k): f"score of row {o}" for k, o in scores_from.items()},
         "recipe": RECIPE})
     return path
 
