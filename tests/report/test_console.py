@@ -28,3 +28,17 @@ def test_a_backend_with_a_passing_check_gets_no_such_line():
     text = render_result(_result([("backend-parity", PASS, "agree"),
                                   ("rollout-parity", NA, "rollout has no rollout_log_probs")]))
     assert "n/a [toy]" not in text
+
+
+def test_an_error_prints_its_traceback_once_and_a_one_line_finding_only_once():
+    from rlaudit.scenarios.result import ERROR
+    one = "CheckFailed: toy.train_step: its DAPO group filter ... kept 24 of the 32 rows"
+    multi = "RankFailure: rank 1 died\nTraceback (most recent call last):\n  boom"
+    res = ScenarioResult(scenario="s", path="s.yaml", backends=["toy", "fsdp"],
+                         checks=[CheckResult("*", "toy", ERROR, one),
+                                 CheckResult("*", "fsdp", ERROR, multi.splitlines()[0])],
+                         errors={"toy": one, "fsdp": multi})
+    text = render_result(res)
+    assert text.count("kept 24 of the 32 rows") == 1        # the ERROR line says all of it
+    assert "backend toy crashed" not in text
+    assert "backend fsdp crashed:" in text and "    boom" in text   # the traceback, once
