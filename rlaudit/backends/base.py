@@ -49,6 +49,9 @@ class ReplayRequest:
     """Relative std of a fixed multiplicative noise applied to every weight after loading
     (reference backend only): how the noise floor of a target's precision is measured (see
     rlaudit/targets/declare.py). 0: the snapshot's exact weights."""
+    noise_draw: int = 0
+    """Which fixed draw of that noise (0, 1, ...): the floor of a target that misses it narrowly
+    is measured again with the next draws (rlaudit/targets/runner.py)."""
     faults: str = field(default_factory=lambda: _faults_from_env())
     """Test-only fault injectors (rlaudit/backends/faults.py): a copy of ``$RLAUDIT_FAULT`` taken
     when the request is made, so it reaches ranks spawned earlier; empty in every real run."""

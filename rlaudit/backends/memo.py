@@ -83,7 +83,8 @@ def key(request: ReplayRequest, variant: Variant) -> str | None:
         return None
     head = {"model": snapshot_id(request.model),
             "ref_model": snapshot_id(request.ref_model) if request.ref_model else None,
-            "dtype": request.dtype, "noise": request.weight_noise, "faults": request.faults,
+            "dtype": request.dtype, "noise": request.weight_noise,
+            "draw": request.noise_draw, "faults": request.faults,
             "threads": torch.get_num_threads(), "variant": variant_key}
     text = json.dumps(head, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -9,6 +9,7 @@ of rlaudit.algo against naive loops and hand-worked numbers, and from the invari
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -86,11 +87,16 @@ class ReferenceBackend:
 
     def replay(self, request: ReplayRequest) -> dict[str, VariantRun]:
         out = {}
-        wrap = (functools.partial(perturb_weights, rel=request.weight_noise)
+        wrap = (functools.partial(perturb_weights, rel=request.weight_noise,
+                                  draw=request.noise_draw)
                 if request.weight_noise else (lambda module: module))
         enabled = request.forward_memo and len(request.variants) >= FORWARD_MEMO_MIN_VARIANTS
         with forward_memo.scope(request.device, enabled):
             for variant in request.variants:
+                if request.weight_noise:
+                    variant = perturb_scores(variant, rel=min(request.weight_noise,
+                                                              SCORE_ROUNDOFF),
+                                             draw=request.noise_draw)
                 k = memo.key(request, variant)
                 run = memo.lookup(k)
                 if run is None:
@@ -154,15 +160,42 @@ def _input_error(failure) -> InputError | None:
     return InputError(outcomes[0].message or "")
 
 
-#: seed of the weight perturbation (fixed: the noise floor is reproducible)
+#: seeds of the weight and score perturbations' first draw (fixed: the noise floor is
+#: reproducible); draw k uses seed + k
 NOISE_SEED = 0
+SCORE_NOISE_SEED = 1_000_003
+#: the scores' perturbation is at most float32's unit roundoff: rollouts store scores in float32,
+#: and trainers whose model math is bf16 keep scores and advantages in float32 (verl, TRL)
+SCORE_ROUNDOFF = 2.0 ** -24
 
 
-def perturb_weights(module: torch.nn.Module, *, rel: float) -> torch.nn.Module:
-    """Multiply every parameter by ``1 + rel * N(0, 1)`` (a fixed draw per parameter, in the
-    module's parameter order): the effect of rounding at a precision whose unit roundoff is
-    ``rel``, propagated through the whole step."""
-    g = torch.Generator().manual_seed(NOISE_SEED)
+def perturb_scores(variant: Variant, *, rel: float, draw: int = 0) -> Variant:
+    """``variant`` with its rollout's ``scores`` rounded as a trainer at unit roundoff ``rel``
+    rounds them: each distinct value ``s`` becomes ``s * (1 + rel * N(0, 1))``, one fixed draw
+    per value, so equal scores stay equal (a group whose scores all agree keeps advantage 0, as
+    it does at any precision) and unequal ones move apart by what rounding moves them.
+
+    What weight noise alone misses: scores do not pass through the model, yet a standardised
+    advantage ``(s - mean) / (std + eps)`` carries their rounding amplified by ``|s| / std``, and
+    AdamW turns an advantage that should be ~0 but is 1e-7 at one precision and 0 at another into
+    a step of a sizeable fraction of the learning rate on every weight only that row's tokens
+    reach (measured: a float32 trainer's GRPO advantages on ``short-dapo`` (scores k/12 held in
+    float32, group means not representable) moved the tied embedding of such tokens by lr/2)."""
+    scores = variant.batch.tensors.get("scores")
+    if scores is None or not scores.is_floating_point() or scores.numel() == 0:
+        return variant
+    values, which = torch.unique(scores, return_inverse=True)
+    g = torch.Generator().manual_seed(SCORE_NOISE_SEED + draw)
+    noise = torch.randn(values.shape, generator=g, dtype=torch.float64)
+    moved = values.double() * (1 + rel * noise)   # float64: a float32 score would round back
+    return dataclasses.replace(variant, batch=variant.batch.with_fields(scores=moved[which]))
+
+
+def perturb_weights(module: torch.nn.Module, *, rel: float, draw: int = 0) -> torch.nn.Module:
+    """Multiply every parameter by ``1 + rel * N(0, 1)`` (fixed draw number ``draw`` per
+    parameter, in the module's parameter order): the effect of rounding at a precision whose
+    unit roundoff is ``rel``, propagated through the whole step."""
+    g = torch.Generator().manual_seed(NOISE_SEED + draw)
     with torch.no_grad():
         for p in module.parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64)

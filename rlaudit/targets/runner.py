@@ -33,7 +33,7 @@ from rlaudit.metrics import golden_names
 from rlaudit.scenarios.engine import build_variants, check_sampling_matches
 from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
 from rlaudit.scenarios.invariants.parity import ORACLE
-from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.scenarios.invariants.compare import NEAR_MISS, compare_runs, near_misses, widest
 from rlaudit.scenarios.invariants.metamorphic import cut_invariant_metrics
 from rlaudit.scenarios.invariants.base import with_overrides
 from rlaudit.scenarios.result import (DIFFERS, ERROR, FAIL, NA, PASS, CheckResult,
@@ -161,11 +161,18 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
             check_invariant(inv, ctx, name, adapter, target.skipped), name, decl)]
 
     found = checks()
-    if decl.noise() and ORACLE in runs and any(r.status not in CLEAN for r in found):
+    draw = 0
+    while (decl.noise() and ORACLE in runs and draw < NOISE_DRAWS
+           and any(r.status not in CLEAN for r in found)):
         # the noise floor only ever widens a bound (see attach_noise_floor): checks that all
-        # pass without it pass with it, so it is measured only when one does not
-        attach_noise_floor(runs, scn, variants, decl.noise())
-        found = checks()
+        # pass without it pass with it, so it is measured only when one does not; measured
+        # again with the next draw only when every comparison it decided failed narrowly
+        attach_noise_floor(runs, scn, variants, decl.noise(), draw=draw)
+        draw += 1
+        with near_misses() as missed:
+            found = checks()
+        if not 0.0 < missed["worst"] <= NEAR_MISS:
+            break
     res.checks.extend(found)
     res.runs = runs
     if not res.passed:  # only a failure is localised: nothing extra runs otherwise
@@ -192,7 +199,12 @@ def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:
 CLEAN = (PASS, NA)
 
 
-def attach_noise_floor(runs: dict, scn: Scenario, variants, noise: float) -> None:
+#: draws of the perturbed replay at most (each one more replay of every variant)
+NOISE_DRAWS = 3
+
+
+def attach_noise_floor(runs: dict, scn: Scenario, variants, noise: float, *,
+                       draw: int = 0) -> None:
     """Replay every variant on the reference with its weights perturbed by ``noise`` (the unit
     roundoff of the target's precision) and attach each result as ``run.noise`` to the runs of
     that variant on every backend: comparisons then allow a multiple of the spread rounding
@@ -204,15 +216,23 @@ def attach_noise_floor(runs: dict, scn: Scenario, variants, noise: float) -> Non
     (``||got - want|| <= atol * sqrt(n) + rtol * ||want|| + floor``, which every elementwise pass
     meets by the triangle inequality). A check that passes without the floor therefore passes
     with it, and :func:`run_target_scenario` replays the noise only when some check does not
-    pass without it (about a third of a correct target's run-level time saved)."""
+    pass without it (about a third of a correct target's run-level time saved).
+
+    ``draw`` > 0: another fixed draw of the same noise, merged with those before
+    (:func:`~rlaudit.scenarios.invariants.compare.widest`): one draw's spread can fall short of
+    a correct target's by more than NOISE_FACTOR where clipping amplifies rounding, and
+    :func:`run_target_scenario` asks for the next draw when every floored comparison missed
+    by at most NEAR_MISS times its bound."""
     request = ReplayRequest(model=str(scn.model), variants=variants,
                             ref_model=str(scn.ref_model) if scn.ref_model else None,
-                            layout={}, dtype=scn.dtype, device=scn.device, weight_noise=noise)
+                            layout={}, dtype=scn.dtype, device=scn.device, weight_noise=noise,
+                            noise_draw=draw)
     noisy = get_backend(ORACLE).replay(request)
     for backend_runs in runs.values():
         for name, run in backend_runs.items():
             if name in noisy:
-                run.noise = noisy[name]
+                run.noise = (noisy[name] if run.noise is None or draw == 0
+                             else widest(run, run.noise, noisy[name]))
 
 
 def apply_differences(results: list[CheckResult], target: str, decl: Declarations

@@ -104,10 +104,11 @@ def test_family_end_to_end_no_undeclared_failure():
                  "no-input-mutation"):
         assert _status([c for c in checks if c.backend == "trl"], name) == {"pass"}, name
     # parity: GSPO sequence ratios over 2 iterations agree exactly; on the uneven token-mean
-    # scenario only the clip fraction of the advantage that is 0 up to float32 rounding differs
-    # (every other metric, the per-token tensors and the parameters agree)
-    assert _status(checks, "backend-parity") == {"pass", "differs"}
-    _differs_only_as(checks, "backend-parity", "trl-clip-fraction-of-zero-advantages")
+    # scenario the clip fraction of the advantage that is 0 up to float32 rounding (TRL's 0, the
+    # reference's -1.5e-8) is within the noise floor's undecided tokens -- once a declared
+    # difference, now a pass with nothing declared (every other metric, the per-token tensors
+    # and the parameters agree)
+    assert _status(checks, "backend-parity") == {"pass"}
     assert not _params_differ(checks)
 
 

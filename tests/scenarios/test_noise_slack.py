@@ -1,0 +1,130 @@
+"""How the run-level noise floor turns into slack on a metric (compare_runs): continuous metrics
+share one relative spread per step; counted fractions (clip fractions: ``MetricSpec.counted``)
+share one absolute spread of their own, so a token tipped over a clip bound by rounding widens
+the clip fractions -- which it does move by a whole count -- and nothing else.
+
+The numbers are worked by hand: 196 tokens, one token = 1/196 = 0.0051; NOISE_FACTOR = 10.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import torch
+
+from rlaudit.backends.base import VariantRun
+from rlaudit.metrics import CATALOGUE
+from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.scenarios.spec import Tolerance
+
+TOKEN = 1 / 196
+MASK = torch.ones(1, 1, dtype=torch.bool)
+
+
+class _Scn:
+    def tol(self, name):
+        return Tolerance(rtol=1e-4, atol=1e-5)      # a float32 target's run-level floor
+
+
+def _run(**metrics):
+    run = VariantRun(name="base")
+    run.steps = [{"actor/pg_loss": 0.40, "actor/entropy": 1.5, "actor/pg_clipfrac": 56 * TOKEN,
+                  "actor/pg_clipfrac_lower": 1 * TOKEN, **metrics}]
+    return run
+
+
+def _compare(got, want):
+    return compare_runs(_Scn(), got, want, mask=MASK, tokens=(), params=False)
+
+
+def _with_noise(want, **noisy):
+    want.noise = copy.deepcopy(want)
+    want.noise.steps[0].update(noisy)
+    return want
+
+
+def test_a_flip_the_perturbed_reference_made_covers_one_in_another_clip_fraction():
+    # the perturbed reference tipped the one dual-clipped token back: pg_clipfrac_lower 1 -> 0
+    want = _with_noise(_run(), **{"actor/pg_clipfrac_lower": 0.0})
+    got = _run(**{"actor/pg_clipfrac": 55 * TOKEN})           # the target tips a clipped one
+    assert _compare(got, want).ok
+    # without the perturbed replay the same one-token move is a failure (0.0051 > 1e-5 + 2.9e-6)
+    assert not _compare(got, _run()).ok
+
+
+def test_a_flip_does_not_widen_the_continuous_metrics():
+    # before counted fractions pooled apart, 1/196 on a fraction of 1/196 was a relative spread
+    # of 1 for every metric: pg_loss was allowed to be off by ten times its own value
+    want = _with_noise(_run(), **{"actor/pg_clipfrac_lower": 0.0})
+    got = _run(**{"actor/pg_loss": 0.40 * 1.01})              # 1 % off
+    c = _compare(got, want)
+    assert not c.ok and "actor/pg_loss" in c.message
+
+
+def test_continuous_metrics_still_share_one_relative_spread():
+    # entropy moved 1e-4 relative in the perturbed replay: every continuous metric gets 10x that
+    want = _with_noise(_run(), **{"actor/entropy": 1.5 * (1 + 1e-4)})
+    assert _compare(_run(**{"actor/pg_loss": 0.40 * (1 + 8e-4)}), want).ok    # 8e-4 < 1e-3 + tol
+    assert not _compare(_run(**{"actor/pg_loss": 0.40 * (1 + 3e-3)}), want).ok
+    # and a counted fraction gets at least the continuous slack (10 * 1e-4 * 0.2857 = 2.9e-4)
+    assert _compare(_run(**{"actor/pg_clipfrac": 56 * TOKEN + 2e-4}), want).ok
+
+
+def test_the_clip_fractions_are_the_counted_metrics():
+    counted = {n for n, s in CATALOGUE.items() if s.counted}
+    assert counted == {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac",
+                       "rollout_corr/is_clipfrac", "response_length/clip_ratio"}
+
+
+def test_widest_keeps_the_larger_distance_of_two_draws():
+    from rlaudit.scenarios.invariants.compare import widest
+    want, a, b = _run(), _run(), _run()
+    a.steps[0]["actor/pg_loss"], b.steps[0]["actor/pg_loss"] = 0.41, 0.37    # 0.01 vs 0.03
+    a.steps[0]["actor/entropy"], b.steps[0]["actor/entropy"] = 1.6, 1.45    # 0.1 vs 0.05
+    for r, v in ((want, [1.0, 2.0]), (a, [1.5, 2.0]), (b, [0.0, 2.25])):
+        r.tokens = {"old_log_probs": torch.tensor([v], dtype=torch.float64)}
+        r.params = [torch.tensor(v, dtype=torch.float64)]
+    w = widest(want, a, b)
+    assert w.steps[0]["actor/pg_loss"] == pytest.approx(0.43)    # 0.40 + 0.03
+    assert w.steps[0]["actor/entropy"] == pytest.approx(1.6)     # 1.5 + 0.1
+    assert w.tokens["old_log_probs"].tolist() == [[2.0, 2.25]]   # 1 + max(0.5, 1), 2 + 0.25
+    assert w.params[0].tolist() == [2.0, 2.25]
+
+
+def test_near_misses_records_how_far_a_floored_comparison_failed():
+    from rlaudit.scenarios.invariants.compare import near_misses
+    want = _with_noise(_run(), **{"actor/entropy": 1.5 * (1 + 1e-4)})
+    # bound for pg_loss: 1e-5 + 1e-4 * 0.4 + 10 * 1e-4 * 0.4 = 4.5e-4; off by 9e-4: ratio 2
+    with near_misses() as missed:
+        assert not _compare(_run(**{"actor/pg_loss": 0.40 + 9e-4}), want).ok
+    assert missed["worst"] == pytest.approx(2.0, rel=1e-6)
+    with near_misses() as missed:           # without a floor there is nothing to measure again
+        assert not _compare(_run(**{"actor/pg_loss": 0.40 + 9e-4}), _run()).ok
+    assert missed["worst"] == 0.0
+
+
+def test_tokens_whose_advantage_rounding_can_zero_widen_the_clip_fractions():
+    """Worked by hand: advantages [2.2e-7, 0, 1.2, -1.2], perturbed [1e-6, 0, 1.2 + 1e-7, -1.2]:
+    the largest move is 7.8e-7, so 2.2e-7 (within 10x that of 0) is undecided; 0 in both runs
+    is decided (0 at any precision), so is +-1.2. One token of four: clip fractions get 0.25."""
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    want = _run()
+    want.tokens = {"advantages": torch.tensor([[2.2e-7, 0.0, 1.2, -1.2]], dtype=torch.float64)}
+    want.noise = copy.deepcopy(want)
+    want.noise.tokens["advantages"] = torch.tensor([[1e-6, 0.0, 1.2 + 1e-7, -1.2]],
+                                                   dtype=torch.float64)
+
+    def compare(**metrics):
+        got = _run(**metrics)
+        got.tokens = {"advantages": want.tokens["advantages"].clone()}
+        return compare_runs(_Scn(), got, want, mask=mask, params=False)
+
+    assert compare(**{"actor/pg_clipfrac": 56 * TOKEN - 0.24}).ok
+    assert not compare(**{"actor/pg_clipfrac": 56 * TOKEN - 0.26}).ok
+    assert not compare(**{"actor/pg_loss": 0.40 * 1.01}).ok       # continuous: not widened
+    # with the 2.2e-7 advantage exactly 0 in both runs nothing is undecided
+    want.tokens["advantages"][0, 0] = 0.0
+    want.noise.tokens["advantages"][0, 0] = 0.0
+    assert not compare(**{"actor/pg_clipfrac": 56 * TOKEN - 0.01}).ok
