@@ -128,3 +128,19 @@ def test_tokens_whose_advantage_rounding_can_zero_widen_the_clip_fractions():
     want.tokens["advantages"][0, 0] = 0.0
     want.noise.tokens["advantages"][0, 0] = 0.0
     assert not compare(**{"actor/pg_clipfrac": 56 * TOKEN - 0.01}).ok
+
+
+def test_a_zero_bound_is_no_near_miss_and_no_crash():
+    """A scenario tolerance of 0 with a perturbed replay that moved nothing: the bound is 0, the
+    ratio infinite (a failure no further draw can decide), not a ZeroDivisionError."""
+    from rlaudit.scenarios.invariants.compare import near_misses
+
+    class Exact:
+        def tol(self, name):
+            return Tolerance(rtol=0.0, atol=0.0)
+
+    want = _with_noise(_run())
+    with near_misses() as missed:
+        c = compare_runs(Exact(), _run(**{"actor/pg_loss": 0.41}), want, mask=MASK, tokens=(),
+                         params=False)
+    assert not c.ok and missed["worst"] == float("inf")

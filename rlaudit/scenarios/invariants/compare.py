@@ -114,7 +114,7 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
             bound = tol.atol + tol.rtol * abs(w[name]) + slack
             if abs(g[name] - w[name]) > bound:
                 if noisy is not None:
-                    _missed_by(abs(g[name] - w[name]) / bound)
+                    _missed_by(_ratio(abs(g[name] - w[name]), bound))
                 floor = f", noise floor {slack:.2g}" if slack else ""
                 c.fail(f"{pre}step {step}: {name} = {g[name]:.10g}, expected {w[name]:.10g} "
                        f"(rtol={tol.rtol:g}, atol={tol.atol:g}{floor})", metric=name, step=step,
@@ -140,8 +140,8 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
                                        slack=slack)
         if not ok and noise is not None:
             tol = scn.tol(name)
-            _missed_by(max((abs(w["got"] - w["want"]) / (tol.atol + tol.rtol * abs(w["want"])
-                                                           + slack)
+            _missed_by(max((_ratio(abs(w["got"] - w["want"]),
+                                   tol.atol + tol.rtol * abs(w["want"]) + slack)
                             for w in det.get("worst", [])), default=math.inf))
         if not ok:
             c.fail_tensor(f"{pre}{msg}", scn.tol(name), tensor=name, **det)
@@ -186,7 +186,7 @@ def _compare_params_l2(c: Comparison, pre: str, step: int, run: VariantRun, got:
                 worst = (name, dist, bound)
     if bad:
         name, dist, bound = worst
-        _missed_by(dist / bound)
+        _missed_by(_ratio(dist, bound))
         c.fail(f"{pre}parameters after step {step}: {len(bad)} tensor(s) out of tolerance in L2 "
                f"(rtol={tol.rtol:g}, atol={tol.atol:g} per element, noise floor {floor:.2g}); "
                f"worst {name}: |got - want| = {dist:.3g} > {bound:.3g}", tensors=bad[:20],
@@ -245,6 +245,12 @@ def near_misses():
         yield box
     finally:
         _watchers.remove(box)
+
+
+def _ratio(off: float, bound: float) -> float:
+    """How many times its bound a failing comparison is off (inf: a zero bound, or NaN)."""
+    r = off / bound if bound > 0 else math.inf
+    return r if math.isfinite(r) else math.inf
 
 
 def _missed_by(ratio: float) -> None:
