@@ -32,16 +32,19 @@ class MetricSpec:
     low: float = -INF                  # sanity bounds a correct value lies in
     high: float = INF
     golden: bool = True                # compared against golden values
-    counted: bool = False              # a fraction of counted tokens or rows (moves by counts)
+    #: "" varies continuously; "count": a fraction of counted tokens or rows (moves by whole
+    #: counts); "signed": a fraction of tokens counted only where the advantage is nonzero (the
+    #: policy clip fractions: a ratio outside the clip range counts for A > 0 or A < 0, not A = 0)
+    counted: str = ""
 
 
 _SPECS: list[MetricSpec] = [
     # ---- actor update --------------------------------------------------------------------------
     MetricSpec("actor/pg_loss", "policy-gradient loss, aggregated with actor.loss_agg_mode"),
     MetricSpec("actor/pg_clipfrac", "fraction of tokens whose ratio was clipped (token-mean)",
-               low=0, high=1, counted=True),
+               low=0, high=1, counted="signed"),
     MetricSpec("actor/pg_clipfrac_lower", "fraction of tokens hit by the dual clip (token-mean)",
-               low=0, high=1, counted=True),
+               low=0, high=1, counted="signed"),
     MetricSpec("actor/ppo_kl", "token-mean of old_log_prob - log_prob (k1, policy drift)"),
     MetricSpec("actor/entropy", "policy entropy, aggregated with actor.loss_agg_mode; logged "
                "whenever entropy is computed (calculate_entropy or entropy_coeff != 0)", low=0),
@@ -59,7 +62,7 @@ _SPECS: list[MetricSpec] = [
     # ---- critic update -------------------------------------------------------------------------
     MetricSpec("critic/vf_loss", "clipped value loss, aggregated with critic.loss_agg_mode", low=0),
     MetricSpec("critic/vf_clipfrac", "fraction of tokens where the clipped value loss was larger",
-               low=0, high=1, counted=True),
+               low=0, high=1, counted="count"),
     MetricSpec("critic/vpred_mean", "token-mean of the critic's predictions during the update"),
     MetricSpec("critic/grad_norm", "global L2 norm of the critic gradient before clipping",
                reduction="step", low=0),
@@ -79,7 +82,7 @@ _SPECS: list[MetricSpec] = [
     MetricSpec("response_length/max", "max response length", "batch", low=0),
     MetricSpec("response_length/min", "min response length", "batch", low=0),
     MetricSpec("response_length/clip_ratio", "fraction of responses that hit the length limit",
-               "batch", low=0, high=1, counted=True),
+               "batch", low=0, high=1, counted="count"),
     MetricSpec("prompt_length/mean", "mean prompt length (tokens)", "batch", low=0),
     # ---- rollout / reward shaping --------------------------------------------------------------
     MetricSpec("rollout/kl", "token-mean of the stored KL(old || ref) used for KL-in-reward; "
@@ -89,7 +92,7 @@ _SPECS: list[MetricSpec] = [
     MetricSpec("rollout_corr/is_weight_mean", "token-mean of the (truncated) rollout IS weight",
                "batch", low=0),
     MetricSpec("rollout_corr/is_clipfrac", "fraction of tokens (or sequences) whose IS weight was "
-               "truncated", "batch", low=0, high=1, counted=True),
+               "truncated", "batch", low=0, high=1, counted="count"),
     MetricSpec("rollout_corr/kl", "token-mean of rollout_log_prob - old_log_prob (k1)", "batch"),
     MetricSpec("rollout_corr/k3_kl", "token-mean k3 estimate of KL(rollout || train)", "batch",
                low=0),
@@ -121,11 +124,10 @@ def spec(name: str) -> MetricSpec:
         raise KeyError(f"metric {name!r} is not in the catalogue (rlaudit/metrics.py)") from None
 
 
-def is_counted(name: str) -> bool:
-    """Is ``name`` a fraction of counted tokens or rows (``MetricSpec.counted``)? False for a
-    name outside the catalogue."""
+def counted(name: str) -> str:
+    """``MetricSpec.counted`` of ``name`` ("" for a name outside the catalogue)."""
     s = CATALOGUE.get(name)
-    return s is not None and s.counted
+    return s.counted if s is not None else ""
 
 
 def check_known(names: Iterable[str]) -> None:

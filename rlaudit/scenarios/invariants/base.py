@@ -166,6 +166,10 @@ def compare_tensors(name: str, got: torch.Tensor, want: torch.Tensor, tol: Toler
         pos = [int(p) for p in pos]
         worst.append({"index": pos, "got": float(got.flatten()[i]), "want": float(want.flatten()[i])})
     details["worst"] = worst
+    # how many times its bound the farthest entry is off (a near miss of a measured noise
+    # floor is measured again: rlaudit/targets/runner.py); inf for a zero bound or non-finite
+    ratio = torch.where(bad, err / bound, 0.0).nan_to_num(nan=float("inf"))
+    details["missed_by"] = float(ratio.max())
     w = worst[0]
     floor = ""
     if isinstance(slack, torch.Tensor) or slack:

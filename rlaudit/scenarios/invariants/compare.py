@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlaudit.backends.base import VariantRun
-from rlaudit.metrics import golden_names, is_counted
+from rlaudit.metrics import counted, golden_bound, golden_names
 from rlaudit.scenarios.invariants.base import compare_tensors
 from rlaudit.scenarios.spec import Scenario
 
@@ -109,9 +109,10 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
             tol = scn.tol(name)
             c.drift = max(c.drift, drift(g[name], w[name], tol))
             slack = NOISE_FACTOR * rel_noise * max(abs(w[name]), NOISE_METRIC_SCALE)
-            if is_counted(name):
-                slack = max(slack, NOISE_FACTOR * count_noise, undecided)
-            bound = tol.atol + tol.rtol * abs(w[name]) + slack
+            if counted(name):
+                slack = max(slack, NOISE_FACTOR * count_noise,
+                            undecided if counted(name) == "signed" else 0.0)
+            bound = golden_bound(w[name], tol.rtol, tol.atol) + slack
             if abs(g[name] - w[name]) > bound:
                 if noisy is not None:
                     _missed_by(_ratio(abs(g[name] - w[name]), bound))
@@ -133,16 +134,11 @@ def compare_runs(scn: Scenario, got: VariantRun, want: VariantRun, *, mask: torc
             gt = back
         slack = 0.0
         if noise is not None and name in noise.tokens:
-            spread = (noise.tokens[name].double() - want.tokens[name].double()).abs()
-            spread = torch.where(mask.bool(), spread, 0.0) if mask.shape == spread.shape else spread
-            slack = NOISE_FACTOR * float(spread.max()) if spread.numel() else 0.0
+            slack = NOISE_FACTOR * masked_spread(noise.tokens[name], want.tokens[name], mask)
         ok, msg, det = compare_tensors(name, gt, want.tokens[name], scn.tol(name), mask,
                                        slack=slack)
         if not ok and noise is not None:
-            tol = scn.tol(name)
-            _missed_by(max((_ratio(abs(w["got"] - w["want"]),
-                                   tol.atol + tol.rtol * abs(w["want"]) + slack)
-                            for w in det.get("worst", [])), default=math.inf))
+            _missed_by(det.get("missed_by", math.inf))
         if not ok:
             c.fail_tensor(f"{pre}{msg}", scn.tol(name), tensor=name, **det)
     if params and got.params and want.params:
@@ -202,14 +198,14 @@ def _metric_noise(want: dict, noisy: dict) -> float:
     times its own value; those pool their own spread instead (:func:`_count_noise`)."""
     rel = 0.0
     for name in golden_names(want):
-        if name in noisy and not is_counted(name):
+        if name in noisy and not counted(name):
             rel = max(rel, abs(noisy[name] - want[name]) / max(abs(want[name]),
                                                                  NOISE_METRIC_SCALE))
     return rel
 
 
 def _undecided_tokens(want: VariantRun, noise: VariantRun, mask: torch.Tensor) -> float:
-    """The fraction of valid tokens whose advantage is within NOISE_FACTOR times the perturbed
+    """Slack of the ``counted="signed"`` fractions: the fraction of valid tokens whose advantage is within NOISE_FACTOR times the perturbed
     replay's largest advantage move of 0: its sign is rounding's to decide, and with it whether
     the token counts in a clip fraction at all (a ratio outside the clip range counts for
     ``A > 0`` or ``A < 0`` alike, never for ``A = 0``). Measured: a GRPO group whose mean is not
@@ -223,10 +219,19 @@ def _undecided_tokens(want: VariantRun, noise: VariantRun, mask: torch.Tensor) -
     if not valid.any():
         return 0.0
     a, n = a.double(), n.double()
-    spread = float(torch.where(valid, (n - a).abs(), 0.0).max())
+    spread = masked_spread(n, a, valid)
     # an advantage 0 in both runs is 0 at every precision (a group scoring all alike): decided
     near = valid & (a.abs() <= NOISE_FACTOR * spread) & ((a != 0) | (n != 0))
     return float(near.sum()) / float(valid.sum())
+
+
+def masked_spread(noisy: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> float:
+    """The largest |noisy - want| over the entries ``mask`` marks valid (every entry when the
+    shapes differ); 0.0 for an empty tensor. A per-token tensor's measured noise spread."""
+    spread = (noisy.double() - want.double()).abs()
+    if mask.shape == spread.shape:
+        spread = torch.where(mask.bool(), spread, 0.0)
+    return float(spread.max()) if spread.numel() else 0.0
 
 
 # ---- near misses and more draws ------------------------------------------------------------------
@@ -292,7 +297,7 @@ def _count_noise(want: dict, noisy: dict) -> float:
     them: a float32 trainer's first optimizer steps were measured to flip one token of
     ``pg_clipfrac`` where the perturbed reference flipped one of ``pg_clipfrac_lower``."""
     return max((abs(noisy[n] - want[n]) for n in golden_names(want)
-                if n in noisy and is_counted(n)), default=0.0)
+                if n in noisy and counted(n)), default=0.0)
 
 
 def _param_of(run: VariantRun, flat_index: int) -> str:

@@ -101,17 +101,15 @@ def _log_prob_noise(ctx: CheckContext) -> float:
     unit roundoff: rlaudit/targets/runner.py); 0 for rlaudit's own backends. A bf16 trainer's
     log-probs sit ~0.2 from an exact sampler's on these models, while the bugs this invariant
     exists for (temperature twice or missing, another policy) move them by whole units."""
-    from rlaudit.scenarios.invariants.compare import NOISE_FACTOR
+    from rlaudit.scenarios.invariants.compare import NOISE_FACTOR, masked_spread
     base = ctx.runs.get("reference", {}).get("base")
     noise = getattr(base, "noise", None)
     if noise is None or "probe_log_probs" not in noise.tokens or \
             "probe_log_probs" not in base.tokens:
         return 0.0
-    mask = ctx.batch_of("base").mask.bool()
-    spread = (noise.tokens["probe_log_probs"].double()
-              - base.tokens["probe_log_probs"].double()).abs()
-    spread = torch.where(mask, spread, 0.0) if spread.shape == mask.shape else spread
-    return NOISE_FACTOR * float(spread.max()) if spread.numel() else 0.0
+    return NOISE_FACTOR * masked_spread(noise.tokens["probe_log_probs"],
+                                        base.tokens["probe_log_probs"],
+                                        ctx.batch_of("base").mask)
 
 
 @invariant("distributed-health", "distributed")
