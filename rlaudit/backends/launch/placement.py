@@ -5,7 +5,8 @@ each one wakes the peers' processes and gloo's own threads (the caller, gloo's w
 socket loop). When those wake-ups cross cores they are dear -- on a 2-vCPU VM, measured by
 ``benchmarks/rank_placement.py``: an all-reduce of 30 KB between two processes costs each about
 0.8 ms of CPU, mostly in the kernel, when the two float over both cores, and 0.25 ms when both are
-on one. A Megatron TP=2 replay runs thousands of them (``drgrpo_sum_norm``: 4112 per rank).
+on one. A Megatron TP=2 replay runs thousands of them (``drgrpo_sum_norm`` when it replayed Megatron at
+TP=2: 4112 per rank).
 
 So when the groups that may run at once have more ranks than the machine has cores (a scenario's
 FSDP and Megatron groups on 2 cores, say), :class:`CorePlacement` gives each task a block of
