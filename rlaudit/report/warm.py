@@ -7,8 +7,10 @@ localised failure's drift-vs-depth plot needs matplotlib -- imported then.)
 :func:`warm_report_imports` moves them into a background thread started while this process has
 nothing else to import -- the local executor calls it once the first in-process replay is back,
 or when the first reference replay it sends to a warm pool starts if no reference replays in
-this process: from then on the scenarios' time is spent in other processes' ranks. It only
-imports; any failure is left for the report or the MLflow logging to meet and report as usual.
+this process: from then on the scenarios' time is spent in other processes' ranks. It imports,
+and creates a local sqlite store that does not exist yet (the first run's ~1.3 s of MLflow
+migrations, otherwise paid after the last scenario); any failure is left for the report or the
+MLflow logging to meet and report as usual.
 """
 
 from __future__ import annotations
@@ -64,5 +66,21 @@ def _import_all(mlflow_uri: str | None) -> None:
 
         if is_database_uri(mlflow_uri):
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+        _create_missing_store(mlflow_uri)
     except Exception:  # noqa: BLE001 - the report / MLflow logging meets it and says so
+        pass
+
+
+def _create_missing_store(mlflow_uri: str) -> None:
+    """A local sqlite store that does not exist yet is created now, as the logging would create
+    it (``mlflow_guard.open_store_lock``: under its lock, migrated in a temporary file, renamed
+    into place): MLflow's ~50 migrations cost ~1.3 s on one core, at the end of a first run
+    otherwise. An existing store, or any other, is left alone (nothing is opened, no server is
+    contacted); a failure is left for the logging to meet."""
+    from rlaudit.report.mlflow_guard import open_store_lock, sqlite_path
+
+    db = sqlite_path(mlflow_uri)
+    if db is None or (db.exists() and db.stat().st_size > 0):
+        return
+    with open_store_lock(mlflow_uri):
         pass

@@ -1,6 +1,7 @@
 """rlaudit.report.warm: the report's and MLflow's modules imported in the background, once, and
 nothing of MLflow when the run does not log to it, nor matplotlib (the report draws its metrics
-grid itself; checked in fresh interpreters)."""
+grid itself; checked in fresh interpreters); a local sqlite store that does not exist yet is
+created there too (migrated), and nothing else is touched."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from rlaudit.report.warm import warm_report_imports
 t = warm_report_imports(mlflow_uri={uri!r})
 t.join(120)
 again = warm_report_imports(mlflow_uri={uri!r})
-print(json.dumps({{"again": again is None,
+import os
+db = {uri!r} and {uri!r}.startswith("sqlite:///") and {uri!r}[len("sqlite:///"):]
+print(json.dumps({{"again": again is None, "db": bool(db) and os.path.getsize(db) > 0,
                   "mods": {{m: m in sys.modules for m in (
                       "rlaudit.report.run_report", "matplotlib", "mlflow.tracking",
                       "mlflow.store.tracking.sqlalchemy_store")}}}}))
@@ -33,8 +36,13 @@ def _run(uri):
 @pytest.mark.slow
 def test_imports_for_a_sqlite_store_once(tmp_path):
     pytest.importorskip("mlflow")
-    got = _run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    db = tmp_path / "reports" / "mlflow.db"  # its folder does not exist yet either
+    got = _run(f"sqlite:///{db}")
     assert got["again"]
+    assert got["db"]  # created in the background, not after the last scenario
+    from mlflow.tracking import MlflowClient  # a migrated store: it opens as it is, no temp left
+    assert MlflowClient(tracking_uri=f"sqlite:///{db}").get_experiment_by_name("Default")
+    assert sorted(p.name for p in db.parent.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
     assert got["mods"] == {"rlaudit.report.run_report": True, "matplotlib": False,
                            "mlflow.tracking": True,
                            "mlflow.store.tracking.sqlalchemy_store": True}
@@ -47,6 +55,22 @@ def test_no_mlflow_when_the_run_does_not_log_to_it():
     http = _run("http://127.0.0.1:9")  # a server: no SQL store module needed
     assert http["mods"]["mlflow.tracking"] is True
     assert http["mods"]["mlflow.store.tracking.sqlalchemy_store"] is False
+
+
+def test_an_existing_store_or_a_server_is_left_alone(tmp_path, monkeypatch):
+    from rlaudit.report import mlflow_guard, warm
+
+    opened = []
+    monkeypatch.setattr(mlflow_guard, "_create_sqlite_store", opened.append)
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"not touched")
+    warm._create_missing_store(f"sqlite:///{db}")
+    warm._create_missing_store("http://127.0.0.1:9")
+    warm._create_missing_store("sqlite:///:memory:")
+    assert opened == [] and db.read_bytes() == b"not touched"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]  # not even its lock
+    warm._create_missing_store(f"sqlite:///{tmp_path / 'new.db'}")
+    assert opened == [tmp_path / "new.db"]  # a missing one: created under the logging's lock
 
 
 def test_the_report_waits_for_the_background_imports(monkeypatch, tmp_path):
