@@ -9,7 +9,10 @@ them -- the data a bug needs in order to change a result (a blind audit found bo
   trained tokens, and configure a longest response above its batch's padded width, or a filter
   on the wrong metric and a penalty from the wrong length or limit pass;
 - some scenario must put a KL term against a reference policy on a rollout sampled at a
-  temperature other than 1, or reference log-probs taken without the temperature pass.
+  temperature other than 1, or reference log-probs taken without the temperature pass;
+- some scenario with a sequence-level aggregation must run Megatron with a data-parallel group
+  of more than one rank, or gradients averaged over DP on top of the loss's global denominator
+  pass (at TP=2 or PP=2 alone that group is one rank; found by hand, 2026-11-27).
 
 And the committed files are what the script writes (byte for byte, sidecars included).
 """
@@ -63,6 +66,16 @@ def test_a_seq_mean_scenario_gives_dp_ranks_different_counts_of_trained_rows():
     scn = _scenario("agg_seq_mean_token_mean")
     src = load_rollout(ROLLOUTS / "short-ref.safetensors")
     assert all(len(set(r)) == 1 for r in _trained_rows_per_rank(src, scn.config, 2))
+
+
+def test_a_seq_aggregation_scenario_runs_megatron_with_more_than_one_dp_rank():
+    found = {}
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        scn = load_scenario(path)
+        layout = scn.backends.get("megatron")
+        if layout is not None and scn.config.actor.loss_agg_mode.startswith("seq-mean"):
+            found[scn.name] = layout.get("dp", 1)
+    assert any(dp > 1 for dp in found.values()), found
 
 
 def test_the_dapo_scenario_separates_seq_reward_from_the_raw_score_and_length_from_tokens():
