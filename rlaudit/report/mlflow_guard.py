@@ -66,11 +66,16 @@ def open_store_lock(uri: str) -> Iterator[None]:
                                        f"{LOCK_TIMEOUT_S:.0f}s") from None
                 time.sleep(0.2)
         try:
-            if not db.exists() or db.stat().st_size == 0:
+            if store_missing(db):
                 _create_sqlite_store(db)
             yield
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def store_missing(db: Path) -> bool:
+    """Whether the sqlite store ``db`` is yet to be created (no file, or an empty one)."""
+    return not db.exists() or db.stat().st_size == 0
 
 
 def _create_sqlite_store(db: Path) -> None:

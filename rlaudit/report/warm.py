@@ -77,10 +77,10 @@ def _create_missing_store(mlflow_uri: str) -> None:
     into place): MLflow's ~50 migrations cost ~1.3 s on one core, at the end of a first run
     otherwise. An existing store, or any other, is left alone (nothing is opened, no server is
     contacted); a failure is left for the logging to meet."""
-    from rlaudit.report.mlflow_guard import open_store_lock, sqlite_path
+    from rlaudit.report.mlflow_guard import open_store_lock, sqlite_path, store_missing
 
     db = sqlite_path(mlflow_uri)
-    if db is None or (db.exists() and db.stat().st_size > 0):
+    if db is None or not store_missing(db):  # no lock taken (nor its file made) for an existing one
         return
     with open_store_lock(mlflow_uri):
         pass

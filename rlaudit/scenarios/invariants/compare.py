@@ -205,8 +205,9 @@ def _metric_noise(want: dict, noisy: dict) -> float:
 
 
 def _undecided_tokens(want: VariantRun, noise: VariantRun, mask: torch.Tensor) -> float:
-    """Slack of the ``counted="signed"`` fractions: the fraction of valid tokens whose advantage is within NOISE_FACTOR times the perturbed
-    replay's largest advantage move of 0: its sign is rounding's to decide, and with it whether
+    """Slack of the ``counted="signed"`` fractions: the fraction of valid tokens whose advantage
+    is within NOISE_FACTOR times the perturbed replay's largest advantage move of 0: its sign is
+    rounding's to decide, and with it whether
     the token counts in a clip fraction at all (a ratio outside the clip range counts for
     ``A > 0`` or ``A < 0`` alike, never for ``A = 0``). Measured: a GRPO group whose mean is not
     representable gives two rows 2.2e-7 in float64 and exactly 0 in float32, and a float32
@@ -253,12 +254,13 @@ def near_misses():
 
 
 def _ratio(off: float, bound: float) -> float:
-    """How many times its bound a failing comparison is off (inf: a zero bound, or NaN)."""
-    r = off / bound if bound > 0 else math.inf
-    return r if math.isfinite(r) else math.inf
+    """How many times its bound a failing comparison is off (inf: a zero bound; a NaN is made
+    inf by :func:`_missed_by`)."""
+    return off / bound if bound > 0 else math.inf
 
 
 def _missed_by(ratio: float) -> None:
+    """Record a failure ``ratio`` times its bound with every watcher (NaN counts as inf)."""
     for box in _watchers:
         box["worst"] = max(box["worst"], ratio if math.isfinite(ratio) else math.inf)
 
