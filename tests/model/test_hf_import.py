@@ -43,26 +43,20 @@ def _run(code: str) -> dict:
 
 
 @pytest.mark.slow
-def test_model_loads_without_sklearn_and_computes_the_same_logits():
+def test_model_loads_without_sklearn_and_scipy_and_computes_the_same_logits():
     pytest.importorskip("sklearn")
-    hidden = _run(_LOAD.format(before="", model=str(MODEL)))
-    # transformers has answered "installed" already: the module imports scikit-learn, which
-    # fails while hidden, so it is imported again the usual way -- the reference logits
-    usual = _run(_LOAD.format(before="from transformers.utils import import_utils; "
-                                     "import_utils.is_sklearn_available()", model=str(MODEL)))
-    assert (hidden["hidden"], hidden["sklearn_loaded"]) == (True, False)
-    assert (usual["hidden"], usual["sklearn_loaded"]) == (False, True)
-    assert hidden["never_left_hidden"] and usual["never_left_hidden"]
-    assert hidden["logits"] == usual["logits"]  # bit for bit
-
-
-@pytest.mark.slow
-def test_model_loads_without_scipy_and_computes_the_same_logits():
     pytest.importorskip("scipy")
     hidden = _run(_LOAD.format(before="", model=str(MODEL)))
-    # SciPy loaded before: nothing to hide, the model code imports it -- the reference logits
-    usual = _run(_LOAD.format(before="import scipy", model=str(MODEL)))
+    # the reference logits: transformers has answered "installed" for scikit-learn already (the
+    # module imports it, which fails while hidden, so it is imported the usual way) and SciPy is
+    # loaded before (nothing to hide: the model code imports it)
+    usual = _run(_LOAD.format(before="from transformers.utils import import_utils; "
+                                     "import_utils.is_sklearn_available(); import scipy",
+                              model=str(MODEL)))
+    assert (hidden["hidden"], hidden["sklearn_loaded"]) == (True, False)
+    assert (usual["hidden"], usual["sklearn_loaded"]) == (False, True)
     assert hidden["scipy_hidden"] and not usual["scipy_hidden"]
+    assert hidden["never_left_hidden"] and usual["never_left_hidden"]
     assert hidden["scipy_never_left_hidden"] and usual["scipy_never_left_hidden"]
     assert hidden["logits"] == usual["logits"]  # bit for bit
 

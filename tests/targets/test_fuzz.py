@@ -4,6 +4,7 @@ correct adapters (zero false alarms)."""
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -141,6 +142,40 @@ def test_generated_cases_stay_where_the_reference_is_right(case):
     # outside the mask every field is 0 (clean cases, as cases.py promises)
     for name in ("log_probs", "old_log_probs", "advantages", "token_level_rewards"):
         assert bool((case[name][~m] == 0).all())
+
+
+def test_generated_cases_keep_their_edges():
+    """A draw with fewer than 2 valid tokens is made usable (several rows) or rejected (a lone
+    row), never kept as it is; the edges survive: in 300 examples, a group whose scores are all
+    equal, a one-row batch, a width-1 batch, and rows of every shape (length 0, a masked hole,
+    all masked while of positive length, full) occur, and one-row batches stay a small share
+    (repairing lone rows instead of rejecting them made them a fifth of all examples)."""
+    from hypothesis import HealthCheck, Phase
+    seen = collections.Counter()
+
+    @settings(max_examples=300, database=None, deadline=None, phases=(Phase.generate,),
+              derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def collect(case):
+        m, lens, uid = case.mask, case["response_lengths"], case["uid"]
+        assert int(m.sum()) >= 2
+        seen["examples"] += 1
+        seen["one-row"] += len(uid) == 1
+        seen["width-1"] += m.shape[1] == 1
+        scores = case["token_level_scores"].sum(-1)
+        seen["equal-group"] += any(int((uid == u).sum()) > 1 and
+                                   bool((scores[uid == u] == scores[uid == u][0]).all())
+                                   for u in torch.unique(uid))
+        in_resp = torch.arange(m.shape[1]).unsqueeze(0) < lens.unsqueeze(1)
+        for row in range(m.shape[0]):
+            n, valid = int(lens[row]), int(m[row].sum())
+            seen["empty" if n == 0 else "all-masked" if valid == 0 else
+                 "holes" if bool((in_resp[row] & ~m[row]).any()) else "full"] += 1
+
+    collect()
+    for edge in ("one-row", "width-1", "equal-group", "empty", "all-masked", "holes", "full"):
+        assert seen[edge] > 0, (edge, seen)
+    assert seen["one-row"] <= seen["examples"] // 10, seen
 
 
 @settings(max_examples=40)
