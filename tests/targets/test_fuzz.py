@@ -145,11 +145,11 @@ def test_generated_cases_stay_where_the_reference_is_right(case):
 
 
 def test_generated_cases_keep_their_edges():
-    """A draw with fewer than 2 valid tokens is made usable (several rows) or rejected (a lone
-    row), never kept as it is; the edges survive: in 300 examples, a group whose scores are all
-    equal, a one-row batch, a width-1 batch, and rows of every shape (length 0, a masked hole,
-    all masked while of positive length, full) occur, and one-row batches stay a small share
-    (repairing lone rows instead of rejecting them made them a fifth of all examples)."""
+    """The edges the fuzzer's cases are for occur, and nothing below 2 valid tokens: in 300
+    examples, a group whose scores are all equal, a one-row batch, a width-1 batch, and rows of
+    every shape (length 0, a masked hole, all masked while of positive length, full), with
+    one-row batches a small share (a draw short of valid tokens is rejected, not repaired:
+    repairing it made them a fifth of all examples, and was no faster)."""
     from hypothesis import HealthCheck, Phase
     seen = collections.Counter()
 
