@@ -63,6 +63,9 @@ class AlgorithmConfig:
     """token_level_rewards = token_level_scores - kl_coef * KL(old || ref), built out of place."""
     kl_penalty: str = "kl"
     """KL estimator used in the reward: kl/k1, abs, mse/k2, low_var_kl/k3, full."""
+    k3_clamp: Literal["value-10", "none"] = "value-10"
+    """k3 / low_var_kl (every use: KL in reward, KL loss, rollout KL loss) clamps its per-token
+    value at 10 (verl, rlaudit) or not (TRL, textbook k3; a declarable convention)."""
     kl_coef: float = 0.001
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 

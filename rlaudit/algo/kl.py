@@ -9,7 +9,8 @@ http://joschu.net/blog/kl-approx.html). Names are verl's (``actor.kl_loss_type``
 - ``kl`` / ``k1``: ``logp - ref``
 - ``abs``: ``|logp - ref|``
 - ``mse`` / ``k2``: ``0.5 * (logp - ref)^2``
-- ``low_var_kl`` / ``k3``: ``exp(ref - logp) - (ref - logp) - 1``, clamped as verl does
+- ``low_var_kl`` / ``k3``: ``exp(ref - logp) - (ref - logp) - 1``, its value clamped at 10 as
+  verl does (``k3_clamp="none"``: not, as TRL and others; a convention a target declares)
 - ``k1+`` / ``kl+``: value of k1, gradient of k2 (straight-through)
 - ``k3+`` / ``low_var_kl+``: value of k3, gradient of k2 (straight-through)
 
@@ -26,7 +27,7 @@ import torch
 from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
-__all__ = ["KL_ESTIMATORS", "kl_penalty", "k3_of_log_ratio"]
+__all__ = ["KL_ESTIMATORS", "K3_CLAMPS", "kl_penalty", "k3_of_log_ratio"]
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -39,6 +40,10 @@ K3_LOG_RATIO_CLAMP = 20.0
 #: k3 clamps its per-token value to [-10, 10] so that one outlier token cannot dominate the KL
 #: loss (verl's bound; k3 >= 0, so in effect it caps at 10).
 K3_VALUE_CLAMP = 10.0
+#: how k3 treats large values (``algorithm.k3_clamp``): "value-10" clamps at K3_VALUE_CLAMP
+#: (verl, rlaudit); "none" does not (TRL's beta term, textbook k3). Both keep the log-ratio
+#: clamp at +-20, which only guards exp() against overflow (no trainer reaches it in practice).
+K3_CLAMPS = ("value-10", "none")
 
 
 @KL_ESTIMATORS.register("k1", "kl")
@@ -93,7 +98,19 @@ KL_ESTIMATORS.register("k1+", "kl+")(_straight_through(k1))
 KL_ESTIMATORS.register("k3+", "low_var_kl+")(_straight_through(k3))
 
 
-def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+def k3_unclamped(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """k3 without the value clamp (``k3_clamp="none"``): :func:`k3_of_log_ratio` of
+    ``d = clamp(ref - logp, +-20)``."""
+    d = (ref_log_prob - log_prob).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return k3_of_log_ratio(d)
+
+
+#: canonical k3 names -> their estimator under ``k3_clamp="none"``
+_UNCLAMPED = {"k3": k3_unclamped, "k3+": _straight_through(k3_unclamped)}
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str, *,
+               k3_clamp: str = "value-10") -> torch.Tensor:
     """Per-token KL estimate of the policy against a reference.
 
     Args:
@@ -101,6 +118,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         ref_log_prob: ``[B, R]`` log-probs of the same tokens under the reference (or rollout)
             policy; same shape.
         kind: a name in :data:`KL_ESTIMATORS` (``"k1"``, ``"k3"``, ``"low_var_kl+"``, ...).
+        k3_clamp: one of :data:`K3_CLAMPS` (k3 / k3+ only: whether its value is clamped at 10).
     Returns:
         ``[B, R]`` per-token estimate, a new tensor (no reduction, no mask: positions outside the
         response mask hold whatever their inputs give; aggregate with ``agg_loss``).
@@ -109,6 +127,10 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         InputError: the shapes differ.
     """
     fn = KL_ESTIMATORS.get(kind, key="kind")
+    if k3_clamp not in K3_CLAMPS:
+        raise InputError(f"expected one of {list(K3_CLAMPS)}, got {k3_clamp!r}", key="k3_clamp")
+    if k3_clamp == "none":
+        fn = _UNCLAMPED.get(KL_ESTIMATORS.canonical(kind), fn)
     if log_prob.shape != ref_log_prob.shape:
         raise InputError(f"shape {tuple(ref_log_prob.shape)} must equal log_prob's shape "
                          f"{tuple(log_prob.shape)}", key="ref_log_prob")

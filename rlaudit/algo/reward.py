@@ -61,7 +61,8 @@ def place_scores(scores: torch.Tensor, response_lengths: torch.Tensor, width: in
 
 def apply_kl_in_reward(token_level_scores: torch.Tensor, old_log_probs: torch.Tensor,
                        ref_log_probs: torch.Tensor, mask: torch.Tensor, *, kl_coef: float,
-                       kl_penalty: str) -> tuple[torch.Tensor, torch.Tensor]:
+                       kl_penalty: str, k3_clamp: str = "value-10"
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL-in-reward: ``rewards = token_level_scores - kl_coef * kl`` with
     ``kl = kl_penalty(old_log_probs, ref_log_probs, kind)`` on mask-1 tokens and 0 elsewhere.
 
@@ -72,6 +73,7 @@ def apply_kl_in_reward(token_level_scores: torch.Tensor, old_log_probs: torch.Te
         kl_coef: the coefficient (``algorithm.kl_coef``).
         kl_penalty: the estimator name (``algorithm.kl_penalty``: k1/kl, abs, k2/mse,
             k3/low_var_kl, ...).
+        k3_clamp: k3's value clamp (``algorithm.k3_clamp``, :data:`rlaudit.algo.kl.K3_CLAMPS`).
 
     Returns:
         ``(token_level_rewards, kl)``, both new [B, R] tensors that alias neither each other nor
@@ -88,7 +90,8 @@ def apply_kl_in_reward(token_level_scores: torch.Tensor, old_log_probs: torch.Te
     # Zero both log-probs under mask 0 first so no NaN/inf there reaches the estimator.
     old = torch.where(m, old_log_probs, 0.0)
     ref = torch.where(m, ref_log_probs, 0.0)
-    kl = torch.where(m, kl_estimators.kl_penalty(old, ref, kl_penalty), 0.0)
+    kl = torch.where(m, kl_estimators.kl_penalty(old, ref, kl_penalty, k3_clamp=k3_clamp),
+                     0.0)
     rewards = token_level_scores - float(kl_coef) * kl
     return rewards, kl
 

@@ -129,7 +129,8 @@ def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
 
 
 def rollout_kl_loss_mat(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, kind: str,
-                        *, mask: torch.Tensor | None = None) -> torch.Tensor:
+                        *, mask: torch.Tensor | None = None,
+                        k3_clamp: str = "value-10") -> torch.Tensor:
     """Per-token rollout KL loss: ``kl_penalty(log_probs, rollout_log_probs, kind)``, i.e. the KL
     estimator with the rollout engine's log-probs in the reference's place (k1: lp - rlp,
     k2: 0.5 (lp - rlp)^2, k3: exp(rlp - lp) - (rlp - lp) - 1, ...).
@@ -141,16 +142,17 @@ def rollout_kl_loss_mat(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor
             (``actor.rollout_correction.rollout_kl_loss_type``).
         mask: optional [B, R]; if given the result is 0 where mask is 0 and neither value nor
             gradient depends on entries there.
+        k3_clamp: k3's value clamp (``algorithm.k3_clamp``).
 
     Returns: ``loss_mat`` [B, R], to be reduced with ``agg_loss`` and the batch's denominators.
     """
     _check_pair(log_probs, rollout_log_probs, ("log_probs", "rollout_log_probs"))
     if mask is None:
-        return kl_penalty(log_probs, rollout_log_probs, kind)
+        return kl_penalty(log_probs, rollout_log_probs, kind, k3_clamp=k3_clamp)
     m = bool_mask(mask, log_probs.shape)
     lp = torch.where(m, log_probs, 0.0)
     rlp = torch.where(m, rollout_log_probs, 0.0)
-    return torch.where(m, kl_penalty(lp, rlp, kind), 0.0)
+    return torch.where(m, kl_penalty(lp, rlp, kind, k3_clamp=k3_clamp), 0.0)
 
 
 def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,

@@ -353,8 +353,9 @@ def advantages_masked(env: StageEnv) -> CheckResult:
 KL_COEF = 0.1
 
 
-def _kl_reward_runs(env: StageEnv):
+def _kl_reward_runs(env: StageEnv, check: str):
     coef = env.setting("kl_coef", KL_COEF)
+    k3_clamp = env.conventions(check).get("k3_clamp", "value-10")
     for kind in env.names("kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def run(kind=kind, case=case):
@@ -368,7 +369,7 @@ def _kl_reward_runs(env: StageEnv):
                 rewards, kl = out
                 want_r, want_kl = apply_kl_in_reward(
                     case["token_level_scores"], case["old_log_probs"], case["ref_log_probs"],
-                    case.mask, kl_coef=coef, kl_penalty=kind)
+                    case.mask, kl_coef=coef, kl_penalty=kind, k3_clamp=k3_clamp)
                 return rewards, kl, want_r, want_kl
             yield kind, case, run
 
@@ -379,7 +380,7 @@ def stored_kl_unaltered(env: StageEnv) -> CheckResult:
     ``kl_penalty(old_log_probs, ref_log_probs)`` on every valid token, not the shaped reward
     (slime PR #2114: the reward was built in place in a tensor aliasing the stored KL)."""
     t = env.tally("apply_kl_in_reward:stored-kl-unaltered")
-    for kind, case, run in _kl_reward_runs(env):
+    for kind, case, run in _kl_reward_runs(env, t.check):
         def one():
             _, kl, _, want_kl = run()
             t.compare(f"stored kl ({kind}) on {case.name}", kl, want_kl, case.mask)
@@ -392,7 +393,7 @@ def kl_reward_parity(env: StageEnv) -> CheckResult:
     """``token_level_rewards = token_level_scores - kl_coef * kl`` on every valid token, for every
     KL estimator the adapter supports."""
     t = env.tally("apply_kl_in_reward:parity")
-    for kind, case, run in _kl_reward_runs(env):
+    for kind, case, run in _kl_reward_runs(env, t.check):
         def one():
             rewards, _, want_r, _ = run()
             t.compare(f"token_level_rewards ({kind}) on {case.name}", rewards, want_r, case.mask)
@@ -408,6 +409,7 @@ def kl_penalty_parity(env: StageEnv) -> CheckResult:
     the reference's on valid tokens (straight-through ``k1+``/``k3+``: value of k1/k3, gradient
     of k2)."""
     t = env.tally("kl_penalty:parity")
+    k3_clamp = env.conventions(t.check).get("k3_clamp", "value-10")
     for kind in env.names("kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def one(kind=kind, case=case):
@@ -415,7 +417,7 @@ def kl_penalty_parity(env: StageEnv) -> CheckResult:
                                       log_prob=case["log_probs"].clone().requires_grad_(True),
                                       ref_log_prob=case["ref_log_probs"], kind=kind)
                 lp = case["log_probs"].detach().clone().requires_grad_(True)
-                want = kl_penalty(lp, case["ref_log_probs"], kind)
+                want = kl_penalty(lp, case["ref_log_probs"], kind, k3_clamp=k3_clamp)
                 t.compare(f"{kind} on {case.name}", out, want, case.mask)
                 if isinstance(out, torch.Tensor) and out.shape == case.shape:
                     t.compare(f"{kind} gradient on {case.name}",

@@ -103,6 +103,10 @@ CONVENTIONS: dict[str, Convention] = {
         "actor.loss_token_denominator", ("minibatch", "batch-mean"),
         "N_tok of token-mean is the mini-batch's valid tokens, or the training batch's divided "
         "by the number of mini-batches (TRL's dapo); run level only"),
+    "k3_clamp": Convention(
+        "algorithm.k3_clamp", ("value-10", "none"),
+        "k3 / low_var_kl clamps its per-token value at 10 (verl, rlaudit) or not at all (TRL's "
+        "beta term, textbook k3); both keep the +-20 log-ratio clamp against overflow"),
     "gspo_gradient": Convention(
         "actor.gspo_gradient", ("per-token", "sequence"),
         "GSPO's ratio is differentiated per token (GSPO-token: verl, rlaudit) or through the "

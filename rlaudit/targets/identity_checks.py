@@ -103,7 +103,7 @@ def rewards_from_stored_kl(env: StageEnv) -> CheckResult:
     the KL formula: when the reward is built in place in the stored tensor (slime PR #2114),
     ``kl`` *is* the reward and the identity fails."""
     t = env.tally("apply_kl_in_reward:rewards-from-stored-kl")
-    for kind, case, run in _kl_reward_runs(env):
+    for kind, case, run in _kl_reward_runs(env, t.check):
         def one(kind=kind, case=case, run=run):
             rewards, kl, _, _ = run()
             coef = env.setting("kl_coef", KL_COEF)      # the coefficient the stage was given

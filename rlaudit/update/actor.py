@@ -92,12 +92,14 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
                       -act.entropy_coeff if act.entropy_coeff != 0 else None))
     if act.use_kl_loss:
         ref = torch.where(mask, micro["ref_log_probs"], logp.detach())  # no NaN/inf from padding
-        terms.append(("actor/kl_loss", kl_penalty(logp, ref, act.kl_loss_type),
+        terms.append(("actor/kl_loss", kl_penalty(logp, ref, act.kl_loss_type,
+                                                  k3_clamp=cfg.algorithm.k3_clamp),
                       act.kl_loss_coef))
     rc = act.rollout_correction
     if rc.use_rollout_kl_loss:
         terms.append(("actor/rollout_kl", rollout_kl_loss_mat(
-            logp, micro["rollout_log_probs"], rc.rollout_kl_loss_type, mask=mask),
+            logp, micro["rollout_log_probs"], rc.rollout_kl_loss_type, mask=mask,
+            k3_clamp=cfg.algorithm.k3_clamp),
             rc.rollout_kl_loss_coef))
     if act.distill.enable:
         fn = DISTILL_LOSSES.get(act.distill.loss_type)

@@ -118,7 +118,8 @@ def prepare_batch(roles: Roles, batch: RolloutBatch, cfg: Config) -> tuple[Rollo
         rewards, kl = apply_kl_in_reward(batch["token_level_scores"], batch["old_log_probs"],
                                          batch["ref_log_probs"], mask,
                                          kl_coef=cfg.algorithm.kl_coef,
-                                         kl_penalty=cfg.algorithm.kl_penalty)
+                                         kl_penalty=cfg.algorithm.kl_penalty,
+                                         k3_clamp=cfg.algorithm.k3_clamp)
         batch = batch.with_fields(token_level_rewards=rewards, kl=kl)
         metrics["actor/reward_kl_penalty"] = float(cfg.algorithm.kl_coef * masked_mean(kl, mask))
     else:

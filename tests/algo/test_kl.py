@@ -140,3 +140,24 @@ def test_errors():
         kl_penalty(t(0.0), t(0.0), "k4")
     with pytest.raises(InputError, match="ref_log_prob"):
         kl_penalty(t(0.0, 1.0), t(0.0), "k1")
+
+
+def test_k3_without_its_value_clamp():
+    """k3_clamp="none" (TRL, textbook k3): exp(d) - d - 1 past 10, by hand; the same below it;
+    k3+ keeps k2's gradient; other estimators are untouched; an unknown value is an input
+    error."""
+    logp = torch.tensor([[-4.0, -1.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.2, -30.0]], dtype=torch.float64)   # d = 3, -0.2, -29.5
+    want = [math.exp(3) - 3 - 1, math.exp(-0.2) + 0.2 - 1, math.exp(-20) + 20 - 1]
+    for kind in ("k3", "low_var_kl", "k3+", "low_var_kl+"):
+        got = kl_penalty(logp, ref, kind, k3_clamp="none")
+        assert got.detach()[0].tolist() == pytest.approx(want, rel=1e-12), kind
+        clamped = kl_penalty(logp, ref, kind)
+        assert clamped.detach()[0].tolist() == pytest.approx([10.0, want[1], 10.0], rel=1e-12)
+    (g,) = torch.autograd.grad(kl_penalty(logp, ref, "k3+", k3_clamp="none").sum(), logp)
+    assert g[0].tolist() == pytest.approx((logp - ref).detach()[0].tolist())   # k2's gradient
+    for kind in ("k1", "k2", "abs", "k1+"):
+        assert torch.equal(kl_penalty(logp, ref, kind, k3_clamp="none"),
+                           kl_penalty(logp, ref, kind))
+    with pytest.raises(InputError, match="k3_clamp"):
+        kl_penalty(logp, ref, "k3", k3_clamp="value-20")

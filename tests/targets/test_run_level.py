@@ -47,6 +47,40 @@ def test_correct_adapters_pass_every_invariant(adapter, tiny_model, builtin_roll
                       "rollout-correction"}
 
 
+def test_k3_without_its_clamp_is_a_convention_declared(tiny_model, builtin_rollout,
+                                                       monkeypatch):
+    """k3 with no clamp of its value at 10 (TRL's beta term, textbook k3) is correct, not a bug:
+    the toy trainer computing it so fails backend-parity on the built-in scenario (its KL
+    variants reach k3 > 10 on some tokens) until it declares the convention, then passes every
+    invariant (found by a blind audit: a red that did not mean broken)."""
+    from examples.toy_trainer import trainer as toy
+    from rlaudit.targets.declare import Difference
+    plain = toy.kl_penalty
+
+    def unclamped(logp, ref_logp, kind):
+        if kind in ("low_var_kl", "k3"):
+            d = (ref_logp - logp).clamp(-20, 20)
+            return torch.exp(d) - d - 1
+        return plain(logp, ref_logp, kind)
+
+    monkeypatch.setattr(toy, "kl_penalty", unclamped)
+    _, mine = run(ToyAdapter(), tiny_model, builtin_rollout,
+                  invariants=["backend-parity", "config-effect"])  # its KL variants
+    assert mine["backend-parity"].status == FAIL
+
+    class Declared(ToyAdapter):
+        name = "toy-k3-unclamped"
+        differences = (Difference("k3-unclamped", reason="k3 with no value clamp",
+                                  link="https://github.com/huggingface/trl", checks=("*",),
+                                  convention={"k3_clamp": "none"}),)
+
+    res, mine = run(Declared(), tiny_model, builtin_rollout)
+    bad = {c.invariant: (c.backend, c.message) for c in res.checks
+           if c.status not in ALL_PASS_OR_NA}
+    assert not bad and not res.errors
+    assert mine["backend-parity"].status == PASS
+
+
 # adapter, invariants run, must fail, must pass (for the adapter's column)
 CAUGHT = [
     (broken.EntropyNotLogged, ["entropy-logged-when-coeff-zero", "backend-parity",

@@ -111,7 +111,7 @@ def stored_kl_unaltered(ctx: CheckContext):
                               "with use_kl_in_reward"))
             continue
         kl = kl_penalty(t["old_log_probs"].double(), t["ref_log_probs"].double(),
-                        alg.kl_penalty) * mask
+                        alg.kl_penalty, k3_clamp=alg.k3_clamp) * mask
         problems = []
         ok, msg, det = compare_tensors("stored kl", t["kl"], kl, scn.tol("kl"), mask)
         if not ok:
