@@ -23,6 +23,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rlaudit.algo.dapo import filter_groups, overlong_penalty
@@ -142,3 +143,24 @@ def test_a_critic_scenario_gives_the_critic_other_optimizer_settings_than_the_ac
         if scn.config.use_critic:
             critics.append((scn.name, scn.config.critic.optim != scn.config.actor.optim))
     assert critics and all(differ for _, differ in critics), critics
+
+
+def test_adamw_scenarios_set_nothing_to_torch_defaults():
+    """An AdamW setting equal to torch's default hides a trainer that never passes it on (a
+    blind audit: weight_decay dropped, so torch's 0.01 -- the scenario's value -- applied). Its
+    betas are set too, though over three steps Adam's bias correction makes them nearly moot
+    (second step: v = (b2 g1^2 + g2^2) / (1 + b2))."""
+    import inspect
+    defaults = inspect.signature(torch.optim.AdamW).parameters
+    adamw = []
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        scn = load_scenario(path)
+        for role in ("actor", "critic"):
+            optim = getattr(scn.config, role).optim
+            if role == "critic" and not scn.config.use_critic or optim.name != "adamw":
+                continue
+            adamw.append(scn.name)
+            for key in ("weight_decay", "eps", "betas"):
+                assert tuple(np.atleast_1d(getattr(optim, key))) != \
+                    tuple(np.atleast_1d(defaults[key].default)), (scn.name, role, key)
+    assert adamw
