@@ -23,6 +23,14 @@ tokens (the overlong penalty is a function of the length); and its score is set 
 other three rows of its group (0.8333): the group's scores then have no spread and only the
 overlong penalty spreads its rewards -- dynamic sampling on ``seq_reward`` keeps it, on the raw
 score it would drop it (used by dapo_filter_overlong).
+
+``short-ref-scattered`` (from ``short-ref``, 4 x 4): the same rows in another order, the groups'
+rows interleaved (row i is source row 4 * (i % 4) + i // 4): every mini-batch of 8 rows holds
+half of each group, and one of its two mini-batches holds no response at the length limit. A
+trainer that takes group statistics, or the longest response, within a mini-batch instead of the
+batch then computes otherwise; with groups stored contiguously, as every recorded rollout has
+them, each mini-batch holds whole groups and it does not (a blind audit; used by
+agg_seq_sum_norm_scattered).
 """
 
 from pathlib import Path
@@ -36,17 +44,18 @@ HERE = Path(__file__).resolve().parent
 RECIPE = "PYTHONPATH=. python scenarios/rollouts/make_masked_rows.py"
 
 #: name -> (source, {row: response columns masked out; None: the whole row},
-#:          {row: the row whose score it takes})
+#:          {row: the row whose score it takes}[, row order: new row i is source row order[i]])
 EDITS = {
     "short-vllm-t07-holes": ("short-vllm-t07", {1: (1,), 7: (3, 4, 5), 10: (6, 7), 13: (2,)}, {}),
     "short-ref-masked": ("short-ref", {13: None, 5: (1,), 9: (2, 3)}, {}),
     "short-dapo-holes": ("short-dapo", {28: (3, 4, 5)}, {28: 29}),
+    "short-ref-scattered": ("short-ref", {}, {}, [4 * (i % 4) + i // 4 for i in range(16)]),
 }
 
 
 def derive(name: str, out_dir: Path = HERE) -> Path:
     """Write ``name`` (safetensors + sidecar) into ``out_dir``; returns the safetensors path."""
-    source, holes, scores_from = EDITS[name]
+    source, holes, scores_from, *order = EDITS[name]
     src = load_rollout(HERE / f"{source}.safetensors")
     mask = src["response_mask"].clone()
     lengths = src["response_lengths"]
@@ -60,14 +69,20 @@ def derive(name: str, out_dir: Path = HERE) -> Path:
     scores = src["scores"].clone()
     for row, other in scores_from.items():
         scores[row] = scores[other]
-    out = RolloutBatch.from_tensors({**src.tensors, "response_mask": mask, "scores": scores},
-                                    kinds=src.kinds, meta=src.meta, source="make_masked_rows")
+    tensors = {**src.tensors, "response_mask": mask, "scores": scores}
+    extra = {}
+    if order:
+        (order,) = order
+        tensors = {k: v[torch.tensor(order)] for k, v in tensors.items()}
+        extra = {"row_order": list(order)}
+    out = RolloutBatch.from_tensors(tensors, kinds=src.kinds, meta=src.meta,
+                                    source="make_masked_rows")
     path = out_dir / f"{name}.safetensors"
     save_rollout(out, path, meta={
         "derived_from": source,
         "masked": {str(k): ("whole row" if v is None else list(v)) for k, v in holes.items()},
         "scores": {str(k): f"score of row {o}" for k, o in scores_from.items()},
-        "recipe": RECIPE})
+        **extra, "recipe": RECIPE})
     return path
 
 

@@ -12,7 +12,10 @@ them -- the data a bug needs in order to change a result (a blind audit found bo
   temperature other than 1, or reference log-probs taken without the temperature pass;
 - some scenario with a sequence-level aggregation must run Megatron with a data-parallel group
   of more than one rank, or gradients averaged over DP on top of the loss's global denominator
-  pass (at TP=2 or PP=2 alone that group is one rank; found by hand, 2026-11-27).
+  pass (at TP=2 or PP=2 alone that group is one rank; found by hand, 2026-11-27);
+- some GRPO scenario must split its groups over mini-batches and leave one without a response at
+  the length limit, and no AdamW scenario may use torch's default settings (a blind audit,
+  2026-11-27: advantages per mini-batch, a horizon from the mini-batch, a dropped weight decay).
 
 And the committed files are what the script writes (byte for byte, sidecars included).
 """
@@ -164,3 +167,28 @@ def test_adamw_scenarios_set_nothing_to_torch_defaults():
                 assert tuple(np.atleast_1d(getattr(optim, key))) != \
                     tuple(np.atleast_1d(defaults[key].default)), (scn.name, role, key)
     assert adamw
+
+
+def test_a_grpo_scenario_splits_its_groups_over_mini_batches():
+    """With every group inside one mini-batch, group statistics taken per mini-batch are the
+    batch's, and a horizon taken from a mini-batch's longest response is the configured one when
+    each group holds a response at the limit (a blind audit: both bugs passed --all). Some GRPO
+    scenario with seq-mean-token-sum-norm must split groups and leave a mini-batch without a
+    response at the length limit."""
+    found = []
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        scn = load_scenario(path)
+        cfg = scn.config
+        if cfg.algorithm.adv_estimator != "grpo":
+            continue
+        batch = load_rollout(scn.rollout)
+        rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        minis = split_minibatches(batch, rows, shuffle=cfg.actor.shuffle, seed=cfg.trainer.seed)
+        whole = {int(u): int((batch["uid"] == u).sum()) for u in batch["uid"]}
+        split = any(int((mb["uid"] == u).sum()) < n for mb in minis for u, n in whole.items()
+                    if bool((mb["uid"] == u).any()))
+        short = any(int(mb["response_lengths"].max()) < cfg.rollout.response_length
+                    for mb in minis)
+        if split and short and cfg.actor.loss_agg_mode == "seq-mean-token-sum-norm":
+            found.append(scn.name)
+    assert found
