@@ -31,6 +31,11 @@ trainer that takes group statistics, or the longest response, within a mini-batc
 batch then computes otherwise; with groups stored contiguously, as every recorded rollout has
 them, each mini-batch holds whole groups and it does not (a blind audit; used by
 agg_seq_sum_norm_scattered).
+
+``short-stale-holes`` (from ``short-stale``, 4 x 4): holes inside five responses of the
+off-policy rollout, so a sequence-level or geometric importance weight summed over a response's
+generated tokens (holes included) is not the one over its trained tokens (a blind audit: summing
+over the attention mask passed --all, no IS scenario having holes; used by rollout_is_stale_mask).
 """
 
 from pathlib import Path
@@ -49,6 +54,8 @@ EDITS = {
     "short-vllm-t07-holes": ("short-vllm-t07", {1: (1,), 7: (3, 4, 5), 10: (6, 7), 13: (2,)}, {}),
     "short-ref-masked": ("short-ref", {13: None, 5: (1,), 9: (2, 3)}, {}),
     "short-dapo-holes": ("short-dapo", {28: (3, 4, 5)}, {28: 29}),
+    "short-stale-holes": ("short-stale", {4: (2, 3), 7: (1,), 11: (4, 5, 6), 13: (3,),
+                                          14: (8,)}, {}),
     "short-ref-scattered": ("short-ref", {}, {}, [4 * (i % 4) + i // 4 for i in range(16)]),
 }
 
