@@ -259,10 +259,11 @@ class TRLAdapter(TargetAdapter):
             "seq-mean-token-sum only with loss_mode gspo (TRL's luspo)":
                 a.loss_agg_mode == "seq-mean-token-sum" and a.loss_mode != "gspo",
             # TRL's KL term (beta) is k3 = exp(ref - logp) - (ref - logp) - 1 without verl's and
-            # rlaudit's clamps (log-ratio at +-20, value at 10), times the differentiable
-            # importance ratio by default (use_bias_correction_kl): no reference convention
-            # computes either; with it TRL's logged loss is no longer the policy loss alone, and
-            # with beta = 0 TRL computes no KL at all
+            # rlaudit's clamps (log-ratio at +-20, value at 10: the value clamp is the k3_clamp
+            # convention), times the differentiable importance ratio by default
+            # (use_bias_correction_kl), which no reference convention computes; with it TRL's
+            # logged loss is no longer the policy loss alone, and with beta = 0 TRL computes no
+            # KL at all
             f"use_kl_loss (TRL's KL term is k3 without the clamp of its value at 10, times the "
             f"importance ratio by default (use_bias_correction_kl): {kl_link(self.version)})":
                 a.use_kl_loss,
