@@ -27,7 +27,7 @@ import torch
 from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
-__all__ = ["KL_ESTIMATORS", "K3_CLAMPS", "kl_penalty", "k3_of_log_ratio"]
+__all__ = ["KL_ESTIMATORS", "K3_CLAMPS", "DEFAULT_K3_CLAMP", "kl_penalty", "k3_of_log_ratio"]
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -44,6 +44,7 @@ K3_VALUE_CLAMP = 10.0
 #: (verl, rlaudit); "none" does not (TRL's beta term, textbook k3). Both keep the log-ratio
 #: clamp at +-20, which only guards exp() against overflow (no trainer reaches it in practice).
 K3_CLAMPS = ("value-10", "none")
+DEFAULT_K3_CLAMP = K3_CLAMPS[0]      # rlaudit's own
 
 
 @KL_ESTIMATORS.register("k1", "kl")
@@ -72,14 +73,20 @@ def k3_of_log_ratio(d: torch.Tensor) -> torch.Tensor:
     return torch.expm1(d) - d
 
 
+def k3_unclamped(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """k3 without the value clamp (``k3_clamp="none"``): :func:`k3_of_log_ratio` of
+    ``d = clamp(ref - logp, +-20)``."""
+    d = (ref_log_prob - log_prob).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return k3_of_log_ratio(d)
+
+
 @KL_ESTIMATORS.register("k3", "low_var_kl")
 def k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """:func:`k3_of_log_ratio` of ``d = clamp(ref - logp, +-20)``, clamped to ``[-10, 10]``.
 
     Non-negative; 0 exactly where ``logp == ref``.
     """
-    d = (ref_log_prob - log_prob).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-    return k3_of_log_ratio(d).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    return k3_unclamped(log_prob, ref_log_prob).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 
 
 def _straight_through(value_fn: KLFn) -> KLFn:
@@ -98,19 +105,12 @@ KL_ESTIMATORS.register("k1+", "kl+")(_straight_through(k1))
 KL_ESTIMATORS.register("k3+", "low_var_kl+")(_straight_through(k3))
 
 
-def k3_unclamped(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """k3 without the value clamp (``k3_clamp="none"``): :func:`k3_of_log_ratio` of
-    ``d = clamp(ref - logp, +-20)``."""
-    d = (ref_log_prob - log_prob).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-    return k3_of_log_ratio(d)
-
-
 #: canonical k3 names -> their estimator under ``k3_clamp="none"``
 _UNCLAMPED = {"k3": k3_unclamped, "k3+": _straight_through(k3_unclamped)}
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str, *,
-               k3_clamp: str = "value-10") -> torch.Tensor:
+               k3_clamp: str = DEFAULT_K3_CLAMP) -> torch.Tensor:
     """Per-token KL estimate of the policy against a reference.
 
     Args:

@@ -61,7 +61,7 @@ def place_scores(scores: torch.Tensor, response_lengths: torch.Tensor, width: in
 
 def apply_kl_in_reward(token_level_scores: torch.Tensor, old_log_probs: torch.Tensor,
                        ref_log_probs: torch.Tensor, mask: torch.Tensor, *, kl_coef: float,
-                       kl_penalty: str, k3_clamp: str = "value-10"
+                       kl_penalty: str, k3_clamp: str = kl_estimators.DEFAULT_K3_CLAMP
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL-in-reward: ``rewards = token_level_scores - kl_coef * kl`` with
     ``kl = kl_penalty(old_log_probs, ref_log_probs, kind)`` on mask-1 tokens and 0 elsewhere.

@@ -19,7 +19,7 @@ import math
 import torch
 
 from rlaudit.algo.agg import bool_mask, masked_max, masked_mean
-from rlaudit.algo.kl import k3_of_log_ratio, kl_penalty
+from rlaudit.algo.kl import DEFAULT_K3_CLAMP, k3_of_log_ratio, kl_penalty
 from rlaudit.errors import InputError
 
 MAX_LOG_RATIO = 20.0
@@ -130,7 +130,7 @@ def rollout_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
 
 def rollout_kl_loss_mat(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, kind: str,
                         *, mask: torch.Tensor | None = None,
-                        k3_clamp: str = "value-10") -> torch.Tensor:
+                        k3_clamp: str = DEFAULT_K3_CLAMP) -> torch.Tensor:
     """Per-token rollout KL loss: ``kl_penalty(log_probs, rollout_log_probs, kind)``, i.e. the KL
     estimator with the rollout engine's log-probs in the reference's place (k1: lp - rlp,
     k2: 0.5 (lp - rlp)^2, k3: exp(rlp - lp) - (rlp - lp) - 1, ...).

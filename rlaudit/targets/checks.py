@@ -22,7 +22,7 @@ import torch
 
 from rlaudit.algo import advantages as ref_adv
 from rlaudit.algo.agg import AGG_MODES, Denominators, agg_loss
-from rlaudit.algo.kl import KL_ESTIMATORS, kl_penalty
+from rlaudit.algo.kl import DEFAULT_K3_CLAMP, KL_ESTIMATORS, kl_penalty
 from rlaudit.algo.reward import apply_kl_in_reward
 from rlaudit.errors import InputError
 from rlaudit.scenarios.invariants.base import compare_tensors
@@ -353,9 +353,14 @@ def advantages_masked(env: StageEnv) -> CheckResult:
 KL_COEF = 0.1
 
 
+def _k3_clamp(env: StageEnv, check: str) -> str:
+    """k3's value clamp the reference uses for ``check`` (the declared convention, else ours)."""
+    return env.conventions(check).get("k3_clamp", DEFAULT_K3_CLAMP)
+
+
 def _kl_reward_runs(env: StageEnv, check: str):
     coef = env.setting("kl_coef", KL_COEF)
-    k3_clamp = env.conventions(check).get("k3_clamp", "value-10")
+    k3_clamp = _k3_clamp(env, check)
     for kind in env.names("kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def run(kind=kind, case=case):
@@ -409,7 +414,7 @@ def kl_penalty_parity(env: StageEnv) -> CheckResult:
     the reference's on valid tokens (straight-through ``k1+``/``k3+``: value of k1/k3, gradient
     of k2)."""
     t = env.tally("kl_penalty:parity")
-    k3_clamp = env.conventions(t.check).get("k3_clamp", "value-10")
+    k3_clamp = _k3_clamp(env, t.check)
     for kind in env.names("kl_estimators", KL_ESTIMATORS):
         for case in env.cases:
             def one(kind=kind, case=case):

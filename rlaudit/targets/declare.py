@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
+from rlaudit.algo.kl import K3_CLAMPS
 from rlaudit.errors import InputError
 from rlaudit.scenarios.spec import Tolerance
 
@@ -104,7 +105,7 @@ CONVENTIONS: dict[str, Convention] = {
         "N_tok of token-mean is the mini-batch's valid tokens, or the training batch's divided "
         "by the number of mini-batches (TRL's dapo); run level only"),
     "k3_clamp": Convention(
-        "algorithm.k3_clamp", ("value-10", "none"),
+        "algorithm.k3_clamp", K3_CLAMPS,
         "k3 / low_var_kl clamps its per-token value at 10 (verl, rlaudit) or not at all (TRL's "
         "beta term, textbook k3); both keep the +-20 log-ratio clamp against overflow"),
     "gspo_gradient": Convention(

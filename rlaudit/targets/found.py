@@ -189,10 +189,9 @@ def load_stage_case(path: str | os.PathLike) -> tuple[str, Draw, dict]:
 
 def probe_env(adapter: object, draw: Draw, decl=None) -> StageEnv:
     """The StageEnv a draw runs in (the fuzzer's and the replay's: one code path)."""
-    if draw.cases:          # not the fixed cases (built, then thrown away: 7 % of fuzzing)
-        return StageEnv(adapter, overrides=dict(draw.overrides), decl=decl,
-                        cases=list(draw.cases))
-    return StageEnv(adapter, overrides=dict(draw.overrides), decl=decl)
+    # the draw's cases given, the fixed ones are not built (and thrown away)
+    given = {"cases": list(draw.cases)} if draw.cases else {}
+    return StageEnv(adapter, overrides=dict(draw.overrides), decl=decl, **given)
 
 
 def replay(adapter: object, path: str | os.PathLike) -> ScenarioResult:

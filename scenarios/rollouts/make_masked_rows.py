@@ -49,20 +49,22 @@ HERE = Path(__file__).resolve().parent
 RECIPE = "PYTHONPATH=. python scenarios/rollouts/make_masked_rows.py"
 
 #: name -> (source, {row: response columns masked out; None: the whole row},
-#:          {row: the row whose score it takes}[, row order: new row i is source row order[i]])
+#:          {row: the row whose score it takes}, row order: new row i is source row order[i]
+#:          (None: the source's))
 EDITS = {
-    "short-vllm-t07-holes": ("short-vllm-t07", {1: (1,), 7: (3, 4, 5), 10: (6, 7), 13: (2,)}, {}),
-    "short-ref-masked": ("short-ref", {13: None, 5: (1,), 9: (2, 3)}, {}),
-    "short-dapo-holes": ("short-dapo", {28: (3, 4, 5)}, {28: 29}),
+    "short-vllm-t07-holes": ("short-vllm-t07", {1: (1,), 7: (3, 4, 5), 10: (6, 7), 13: (2,)}, {},
+                             None),
+    "short-ref-masked": ("short-ref", {13: None, 5: (1,), 9: (2, 3)}, {}, None),
+    "short-dapo-holes": ("short-dapo", {28: (3, 4, 5)}, {28: 29}, None),
     "short-stale-holes": ("short-stale", {4: (2, 3), 7: (1,), 11: (4, 5, 6), 13: (3,),
-                                          14: (8,)}, {}),
+                                          14: (8,)}, {}, None),
     "short-ref-scattered": ("short-ref", {}, {}, [4 * (i % 4) + i // 4 for i in range(16)]),
 }
 
 
 def derive(name: str, out_dir: Path = HERE) -> Path:
     """Write ``name`` (safetensors + sidecar) into ``out_dir``; returns the safetensors path."""
-    source, holes, scores_from, *order = EDITS[name]
+    source, holes, scores_from, order = EDITS[name]
     src = load_rollout(HERE / f"{source}.safetensors")
     mask = src["response_mask"].clone()
     lengths = src["response_lengths"]
@@ -77,11 +79,8 @@ def derive(name: str, out_dir: Path = HERE) -> Path:
     for row, other in scores_from.items():
         scores[row] = scores[other]
     tensors = {**src.tensors, "response_mask": mask, "scores": scores}
-    extra = {}
-    if order:
-        (order,) = order
+    if order is not None:
         tensors = {k: v[torch.tensor(order)] for k, v in tensors.items()}
-        extra = {"row_order": list(order)}
     out = RolloutBatch.from_tensors(tensors, kinds=src.kinds, meta=src.meta,
                                     source="make_masked_rows")
     path = out_dir / f"{name}.safetensors"
@@ -89,7 +88,7 @@ def derive(name: str, out_dir: Path = HERE) -> Path:
         "derived_from": source,
         "masked": {str(k): ("whole row" if v is None else list(v)) for k, v in holes.items()},
         "scores": {str(k): f"score of row {o}" for k, o in scores_from.items()},
-        **extra, "recipe": RECIPE})
+        **({} if order is None else {"row_order": list(order)}), "recipe": RECIPE})
     return path
 
 

@@ -544,3 +544,49 @@ def test_gspo_gradient_convention():
     bad = statuses(type("W", (ReferenceAdapter,), {"loss_modes": ("gspo",),
                                                    "differences": (seq,)})(), stage)
     assert bad["policy_loss:parity"].status == FAIL
+
+
+class UnclampedK3(ReferenceAdapter):
+    """k3 with no clamp of its value at 10 (TRL's beta term), written out here."""
+    name = "unclamped-k3"
+
+    def kl_penalty(self, *, log_prob, ref_log_prob, kind):
+        if kind not in ("k3", "low_var_kl"):
+            return super().kl_penalty(log_prob=log_prob, ref_log_prob=ref_log_prob, kind=kind)
+        d = (ref_log_prob - log_prob).clamp(-20, 20)
+        return torch.exp(d) - d - 1
+
+    def apply_kl_in_reward(self, *, token_level_scores, old_log_probs, ref_log_probs,
+                           response_mask, kl_coef, kl_penalty):
+        kl = torch.where(response_mask, self.kl_penalty(
+            log_prob=old_log_probs, ref_log_prob=ref_log_probs, kind=kl_penalty), 0.0)
+        return token_level_scores - kl_coef * kl, kl
+
+
+def test_k3_clamp_convention_at_stage_level():
+    """On a case where ref - logp = 3 (k3 = e^3 - 4 = 16.1, past verl's clamp at 10), the KL
+    stage checks fail an unclamped k3 undeclared and pass it under ``k3_clamp: none``; the same
+    declaration does not excuse a k3 that is wrong below the clamp."""
+    from dataclasses import replace
+    from rlaudit.targets.cases import default_cases
+    from rlaudit.targets.checks import StageEnv, kl_penalty_parity, kl_reward_parity
+    base = default_cases()[1]
+    far = replace(base, tensors={**base.tensors, "ref_log_probs": torch.where(
+        base.mask, base["log_probs"] + 3.0, 0.0), "old_log_probs": base["log_probs"]})
+    unclamped = Difference("k3-unclamped", reason="no value clamp", link="https://example.org",
+                           checks=("kl_penalty:*", "apply_kl_in_reward:*"),
+                           convention={"k3_clamp": "none"})
+
+    def checks(adapter):
+        env = StageEnv(adapter, cases=[far], overrides={"kl_estimators": ("k3",)})
+        return kl_penalty_parity(env).status, kl_reward_parity(env).status
+
+    assert checks(UnclampedK3()) == (FAIL, FAIL)
+    declared = type("D", (UnclampedK3,), {"differences": (unclamped,)})
+    assert checks(declared()) == (PASS, PASS)
+    assert checks(ReferenceAdapter()) == (PASS, PASS)
+
+    class Halved(declared):                      # a real bug under the same declaration
+        def kl_penalty(self, **kw):
+            return super().kl_penalty(**kw) / 2
+    assert checks(Halved()) == (FAIL, FAIL)
