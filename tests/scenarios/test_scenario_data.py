@@ -149,9 +149,11 @@ def test_a_critic_scenario_gives_the_critic_other_optimizer_settings_than_the_ac
 
 def test_adamw_scenarios_set_nothing_to_torch_defaults():
     """An AdamW setting equal to torch's default hides a trainer that never passes it on (a
-    blind audit: weight_decay dropped, so torch's 0.01 -- the scenario's value -- applied). Its
-    betas are set too, though over three steps Adam's bias correction makes them nearly moot
-    (second step: v = (b2 g1^2 + g2^2) / (1 + b2))."""
+    blind audit: weight_decay dropped, so torch's 0.01 -- the scenario's value -- applied). The
+    betas only weigh one optimizer step's gradient against the last: with one mini-batch per
+    step those are nearly equal and Adam's bias correction leaves the betas moot (second step:
+    v = (b2 g1^2 + g2^2) / (1 + b2) ~ g^2 whatever b2), so every AdamW scenario takes several
+    optimizer steps per step, on different rows (dropped betas passed otherwise)."""
     import inspect
     defaults = inspect.signature(torch.optim.AdamW).parameters
     adamw = []
@@ -165,6 +167,10 @@ def test_adamw_scenarios_set_nothing_to_torch_defaults():
             assert optim.weight_decay != defaults["weight_decay"].default, (scn.name, role)
             assert optim.eps != defaults["eps"].default, (scn.name, role)
             assert tuple(optim.betas) != tuple(defaults["betas"].default), (scn.name, role)
+            n = scn.config.rollout.n
+            rows = min(len(load_rollout(scn.rollout)["uid"]), scn.config.data.train_batch_size * n)
+            mini = getattr(scn.config, role).ppo_mini_batch_size * n
+            assert rows >= 2 * mini, (scn.name, role, f"{rows} rows a step, mini-batches of {mini}")
     assert adamw
 
 
