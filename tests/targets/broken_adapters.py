@@ -329,6 +329,26 @@ class _KLLossSignFlipped(toy.ToyTrainer):
         return loss - self.cfg.kl_loss_coef * kl
 
 
+class _EntropyBonusAsTokenMean(toy.ToyTrainer):
+    """The entropy bonus added as a token mean whatever ``loss_agg_mode`` says (the logged
+    entropy stays aggregated like the loss): right under token-mean only (a blind audit,
+    2026-11-27: passed --all while every entropy bonus of the scenarios was token-mean)."""
+
+    def loss_terms(self, mb, logp, ent, mask, counts, with_entropy):
+        coeff = self.cfg.entropy_coeff
+        self.cfg.entropy_coeff = 0.0
+        try:
+            loss, stats = super().loss_terms(mb, logp, ent, mask, counts, with_entropy)
+        finally:
+            self.cfg.entropy_coeff = coeff
+        if with_entropy and coeff != 0:
+            bonus = toy.aggregate(ent, mask, "token-mean", num_tokens=counts["tokens"],
+                                  num_seqs=counts["seqs"], norm_len=counts["norm_len"])
+            loss = loss - coeff * bonus
+            stats["loss"] = loss.detach()
+        return loss, stats
+
+
 class _NoPaddingMicros(toy.ToyTrainer):
     def __init__(self, model, cfg, ref_model=None):
         cfg.padding_micros = 0                 # the padding path does not exist
@@ -357,6 +377,7 @@ GradNormAfterClip = toy_with(_PostClipGradNorm, "grad-norm-after-clip")
 PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
 MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
+EntropyBonusAsTokenMean = toy_with(_EntropyBonusAsTokenMean, "entropy-bonus-as-token-mean")
 MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
 IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")

@@ -94,6 +94,10 @@ CAUGHT = [
     (broken.IgnoresAggModeTrainer, ["config-effect", "backend-parity",
                                     "entropy-logged-when-coeff-zero"],
      ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
+    # the built-in's aggregation is token-mean: config-effect's entropy pair runs seq-mean
+    (broken.EntropyBonusAsTokenMean, ["config-effect", "backend-parity",
+                                      "entropy-logged-when-coeff-zero"],
+     ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
     (broken.MutatesInputBatch, ["no-input-mutation", "backend-parity"],
      ["no-input-mutation"], ["backend-parity"]),
     (broken.MetricsReusedBuffer, ["backend-parity", "no-input-mutation"],

@@ -116,12 +116,21 @@ def on_policy_identities(ctx: CheckContext):
 
 # ---- config effect ---------------------------------------------------------------------------
 
+#: the aggregation of the entropy pair (cfg:entropy0 / cfg:entropy) when the scenario's own is
+#: token-mean: under token-mean a trainer that adds its entropy bonus as a token mean whatever
+#: ``loss_agg_mode`` says is right, so the pair would never show it (a blind audit, 2026-11-27:
+#: the toy trainer with that bug passed --all; scenarios with an entropy bonus under token-mean,
+#: rollout_temperature and megatron_padded_vocab, catch the opposite fixed choice)
+ENTROPY_PAIR_AGG = "seq-mean-token-mean"
+
+
 def _config_variants(scn, batch):
     o = one_minibatch(scn, batch)
-    vs = [base_variant(scn, batch, "cfg:entropy0", **o, **{"actor.entropy_coeff": 0.0,
-                                                           "actor.calculate_entropy": True}),
-          base_variant(scn, batch, "cfg:entropy", **o, **{"actor.entropy_coeff": 0.01,
-                                                          "actor.calculate_entropy": True}),
+    agg = scn.config.actor.loss_agg_mode
+    ent = {"actor.calculate_entropy": True,
+           "actor.loss_agg_mode": ENTROPY_PAIR_AGG if agg == "token-mean" else agg}
+    vs = [base_variant(scn, batch, "cfg:entropy0", **o, **ent, **{"actor.entropy_coeff": 0.0}),
+          base_variant(scn, batch, "cfg:entropy", **o, **ent, **{"actor.entropy_coeff": 0.01}),
           base_variant(scn, batch, "cfg:kl0", **o, **{"actor.use_kl_loss": True,
                                                       "actor.kl_loss_coef": 0.0}),
           base_variant(scn, batch, "cfg:kl", **o, **{"actor.use_kl_loss": True,
@@ -136,7 +145,7 @@ def _config_variants(scn, batch):
 def config_effect(ctx: CheckContext):
     """Every knob changes the result exactly as the reference semantics say (on one on-policy
     step): ``entropy_coeff = c`` lowers ``actor/loss`` by ``c * actor/entropy`` relative to
-    ``c = 0``; ``kl_loss_coef = c`` raises it by ``c * actor/kl_loss``; each ``loss_agg_mode``
+    ``c = 0`` (under a sequence-mean aggregation: :data:`ENTROPY_PAIR_AGG`); ``kl_loss_coef = c`` raises it by ``c * actor/kl_loss``; each ``loss_agg_mode``
     gives ``pg_loss = agg(-A)`` under that mode. (A term logged as a micro-batch mean while the
     loss is logged as a contribution enters the loss as its whole-batch aggregate, recomputed from
     the initial policy's per-token entropy / KL.) Run on every backend, these variants are also
