@@ -15,7 +15,9 @@ them -- the data a bug needs in order to change a result (a blind audit found bo
   pass (at TP=2 or PP=2 alone that group is one rank; found by hand, 2026-11-27);
 - some GRPO scenario must split its groups over mini-batches and leave one without a response at
   the length limit, and no AdamW scenario may use torch's default settings (a blind audit,
-  2026-11-27: advantages per mini-batch, a horizon from the mini-batch, a dropped weight decay).
+  2026-11-27: advantages per mini-batch, a horizon from the mini-batch, a dropped weight decay);
+- some scenario must train a KL loss beside rollout IS weights away from 1 (a blind audit,
+  2026-11-27: a KL term weighted by them passed --all).
 
 And the committed files are what the script writes (byte for byte, sidecars included).
 """
@@ -31,6 +33,7 @@ import torch
 from rlaudit.algo.dapo import filter_groups, overlong_penalty
 from rlaudit.data.batching import shard_for_dp, split_minibatches
 from rlaudit.data.io import load_rollout
+from rlaudit.model.load import snapshot_id
 from rlaudit.scenarios.spec import load_scenario, resolve
 from rlaudit.update.step import filter_metric
 
@@ -117,6 +120,24 @@ def test_a_kl_term_meets_a_rollout_sampled_at_a_temperature():
         if kl and scn.ref_model is not None and cfg.rollout.temperature != 1.0:
             found.append(scn.name)
     assert "rollout_temperature" in found, found
+
+
+def test_a_kl_loss_meets_rollout_importance_weights_away_from_one():
+    """verl weights the policy loss alone by the rollout IS weights; a trainer that weights its
+    KL term too computes the same wherever no scenario has both (a blind audit, 2026-11-27). Some
+    scenario must train a KL loss against another reference policy (so the term is not 0 at step
+    0) with IS weights that are not all 1 on a stale rollout."""
+    found = []
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        scn = load_scenario(path)
+        cfg = scn.config
+        sampler = load_rollout(scn.rollout).meta.get("model_snapshot_id")
+        stale = sampler is not None and sampler != snapshot_id(scn.model)
+        if (cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef > 0 and scn.ref_model is not None
+                and scn.ref_model != scn.model and cfg.actor.rollout_correction.rollout_is
+                and stale):
+            found.append(scn.name)
+    assert found
 
 
 def _make_module():

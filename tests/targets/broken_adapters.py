@@ -349,6 +349,31 @@ class _EntropyBonusAsTokenMean(toy.ToyTrainer):
         return loss, stats
 
 
+class _KLWeightedByRolloutIS(toy.ToyTrainer):
+    """The KL loss multiplied by the rollout IS weights too (verl weights the policy loss
+    alone): the same wherever the weights are 1 or there is no KL loss (a blind audit,
+    2026-11-27: passed --all until rollout_is_stale carried a KL loss)."""
+
+    def loss_terms(self, mb, logp, ent, mask, counts, with_entropy):
+        w = mb.get("rollout_is_weights")
+        if w is None or not self.cfg.use_kl_loss:
+            return super().loss_terms(mb, logp, ent, mask, counts, with_entropy)
+        self.cfg.use_kl_loss = False
+        try:
+            loss, stats = super().loss_terms(mb, logp, ent, mask, counts, with_entropy)
+        finally:
+            self.cfg.use_kl_loss = True
+        ref = torch.where(mask > 0, mb["ref_log_probs"], logp.detach())
+        kl = toy.aggregate(toy.kl_penalty(logp, ref, self.cfg.kl_loss_type) * w, mask,
+                           self.cfg.loss_agg_mode, num_tokens=counts["tokens"],
+                           num_seqs=counts["seqs"], norm_len=counts["norm_len"],
+                           row_tokens=counts.get("row_tokens"))
+        stats["kl_loss"] = kl.detach()
+        loss = self.with_kl_penalty(loss, kl)
+        stats["loss"] = loss.detach()
+        return loss, stats
+
+
 class _NoPaddingMicros(toy.ToyTrainer):
     def __init__(self, model, cfg, ref_model=None):
         cfg.padding_micros = 0                 # the padding path does not exist
@@ -378,6 +403,7 @@ PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
 MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
 EntropyBonusAsTokenMean = toy_with(_EntropyBonusAsTokenMean, "entropy-bonus-as-token-mean")
+KLWeightedByRolloutIS = toy_with(_KLWeightedByRolloutIS, "kl-weighted-by-rollout-is")
 MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
 IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")
 ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trained-token")

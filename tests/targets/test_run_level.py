@@ -233,6 +233,19 @@ def test_toy_adapter_fails_a_float64_scenario_without_its_precision(tiny_model):
     assert c.status == FAIL and "rtol=1e-07" in c.message
 
 
+def test_a_kl_term_weighted_by_rollout_is_fails_rollout_is_stale():
+    """A KL loss multiplied by the rollout IS weights (verl weights the policy loss alone) is
+    seen only where a scenario has both, with weights away from 1 (tests/scenarios/
+    test_scenario_data.py keeps rollout_is_stale so); the unmodified toy passes it above."""
+    from rlaudit.targets.runner import run_target
+    adapter = broken.KLWeightedByRolloutIS()
+    (res,) = run_target(adapter, scenario_names=["rollout_is_stale"], stages=[],
+                        invariants=["backend-parity"],
+                        scenarios_dir=builtin.tiny_model_path().parents[1])[1:]
+    (c,) = [c for c in res.checks if c.backend == adapter.name]
+    assert c.status == FAIL and "variant base" in c.message, c.message
+
+
 def _no_token_budget(cls):
     """``cls`` refusing token-budget micro-batching (TRL has none)."""
     def supports(self, config):
