@@ -83,9 +83,14 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
         # and the unfiltered ones for targets that filter in their own train_step
         plans = [(s, lambda s=s: _filtered(load_rollout(s.rollout), s)) for s in scenarios]
     else:
+        plans = []
+    if all_ or not scenario_names:
+        # the built-in scenario (every invariant) first: --all is the default run and every
+        # shipped scenario (a blind audit, 2026-11-27: --all had left it out, and with it the
+        # only scenario that runs padding-microbatches-complete on a target's own padding path)
         ref = builtin.tiny_model_path(scenarios_dir, "llama")
-        plans = [(builtin.scenario(model, invariants, ref_model_path=ref),
-                  lambda: (builtin.rollout(model), None))]
+        plans.insert(0, (builtin.scenario(model, invariants, ref_model_path=ref),
+                         lambda: (builtin.rollout(model), None)))
     for scn, rollout in plans:
         if not has_stage(adapter, "train_step"):
             results.append(ScenarioResult(

@@ -105,6 +105,30 @@ def test_named_scenario_file(tmp_path, tiny_model, builtin_rollout):
 
 
 @pytest.mark.slow
+def test_all_runs_the_builtin_scenario_and_every_shipped_one(tmp_path, tiny_model,
+                                                             builtin_rollout):
+    """``--all`` is the default run plus every scenario of the folder: the built-in scenario
+    first (a blind audit, 2026-11-27: --all had dropped it, the only scenario running
+    padding-microbatches-complete on a target's own padding path); named scenarios alone when
+    named."""
+    from rlaudit.data.io import save_rollout
+    save_rollout(builtin_rollout, tmp_path / "r.safetensors")
+    (tmp_path / "mine.yaml").write_text(
+        f"model: {tiny_model}\nrollout: r.safetensors\nsteps: 1\ndtype: float64\n"
+        f"config: {{rollout: {{n: 4, temperature: {builtin.TEMPERATURE}}}, "
+        "actor: {ppo_mini_batch_size: 2, optim: {name: sgd, lr: 0.1}}}\n"
+        "backends: {reference: {}}\ninvariants: [no-input-mutation]\n")
+    from examples.toy_trainer.adapter import ToyAdapter
+    every = run_target(ToyAdapter(), all_=True, scenarios_dir=tmp_path, stages=[],
+                       invariants=["no-input-mutation"])
+    assert [r.scenario for r in every] == ["stages", "target-builtin", "mine"]
+    named = run_target(ToyAdapter(), scenario_names=["mine"], scenarios_dir=tmp_path, stages=[],
+                       invariants=["no-input-mutation"])
+    assert [r.scenario for r in named] == ["stages", "mine"]
+    assert all(r.passed for r in every + named)
+
+
+@pytest.mark.slow
 def test_cli_exit_codes_and_json(tmp_path, capsys, monkeypatch):
     from rlaudit.cli.main import main
     monkeypatch.chdir(REPO)
