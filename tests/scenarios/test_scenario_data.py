@@ -16,8 +16,9 @@ them -- the data a bug needs in order to change a result (a blind audit found bo
 - some GRPO scenario must split its groups over mini-batches and leave one without a response at
   the length limit, and no AdamW scenario may use torch's default settings (a blind audit,
   2026-11-27: advantages per mini-batch, a horizon from the mini-batch, a dropped weight decay);
-- some scenario must train a KL loss beside rollout IS weights away from 1 (a blind audit,
-  2026-11-27: a KL term weighted by them passed --all).
+- some scenario must train a KL loss beside rollout IS weights away from 1, and a mask-mode
+  scenario must set a lower bound other than 1 / the upper (a blind audit, 2026-11-27: a KL
+  term weighted by them, and a lower bound ignored, passed --all).
 
 And the committed files are what the script writes (byte for byte, sidecars included).
 """
@@ -137,6 +138,19 @@ def test_a_kl_loss_meets_rollout_importance_weights_away_from_one():
                 and scn.ref_model != scn.model and cfg.actor.rollout_correction.rollout_is
                 and stale):
             found.append(scn.name)
+    assert found
+
+
+def test_a_mask_mode_scenario_has_a_lower_bound_of_its_own():
+    """verl's mask mode keeps weights in [rollout_is_threshold_lower, rollout_is_threshold],
+    the lower bound defaulting to 1 / the upper: with the default only, a trainer that ignores
+    the configured lower bound passes (a blind audit, 2026-11-27)."""
+    found = []
+    for path in resolve([], all_=True, root=str(REPO / "scenarios")):
+        rc = load_scenario(path).config.actor.rollout_correction
+        if (rc.rollout_is and rc.rollout_is_mode == "mask" and rc.rollout_is_threshold_lower
+                and abs(rc.rollout_is_threshold_lower - 1 / rc.rollout_is_threshold) > 0.05):
+            found.append(path)
     assert found
 
 
