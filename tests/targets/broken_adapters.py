@@ -266,6 +266,12 @@ class _IgnoresAggMode(toy.ToyTrainer):
         super().__init__(model, cfg, ref_model)
 
 
+class _IgnoresLossScaleFactor(toy.ToyTrainer):
+    def __init__(self, model, cfg, ref_model=None):
+        cfg.norm_len = None                    # loss_scale_factor dropped: the padded width
+        super().__init__(model, cfg, ref_model)
+
+
 class _IgnoresTemperature(toy.ToyTrainer):
     def __init__(self, model, cfg, ref_model=None):
         cfg.temperature = 1.0                  # log-probs of the raw logits, not logits / T
@@ -403,6 +409,7 @@ PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
 MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
 EntropyBonusAsTokenMean = toy_with(_EntropyBonusAsTokenMean, "entropy-bonus-as-token-mean")
+IgnoresLossScaleFactor = toy_with(_IgnoresLossScaleFactor, "ignores-loss-scale-factor")
 KLWeightedByRolloutIS = toy_with(_KLWeightedByRolloutIS, "kl-weighted-by-rollout-is")
 MutatesInputBatch = toy_with(_ClampsScoresInPlace, "mutates-input-batch")
 IgnoresTemperature = toy_with(_IgnoresTemperature, "ignores-temperature")

@@ -98,6 +98,10 @@ CAUGHT = [
     (broken.EntropyBonusAsTokenMean, ["config-effect", "backend-parity",
                                       "entropy-logged-when-coeff-zero"],
      ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
+    # config-effect's seq-mean-token-sum-norm variant sets a horizon other than the default
+    (broken.IgnoresLossScaleFactor, ["config-effect", "backend-parity",
+                                     "entropy-logged-when-coeff-zero"],
+     ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
     (broken.MutatesInputBatch, ["no-input-mutation", "backend-parity"],
      ["no-input-mutation"], ["backend-parity"]),
     (broken.MetricsReusedBuffer, ["backend-parity", "no-input-mutation"],

@@ -122,6 +122,9 @@ def on_policy_identities(ctx: CheckContext):
 #: the toy trainer with that bug passed --all; scenarios with an entropy bonus under token-mean,
 #: rollout_temperature and megatron_padded_vocab, catch the opposite fixed choice)
 ENTROPY_PAIR_AGG = "seq-mean-token-mean"
+#: cfg:agg:seq-mean-token-sum-norm's loss_scale_factor, in padded widths (when the scenario sets
+#: none)
+SUM_NORM_HORIZON = 2
 
 
 def _config_variants(scn, batch):
@@ -136,7 +139,12 @@ def _config_variants(scn, batch):
           base_variant(scn, batch, "cfg:kl", **o, **{"actor.use_kl_loss": True,
                                                      "actor.kl_loss_coef": 0.5})]
     for mode in AGG_MODES:
-        vs.append(base_variant(scn, batch, f"cfg:agg:{mode}", **o,
+        extra = {}
+        if mode == "seq-mean-token-sum-norm" and scn.config.actor.loss_scale_factor is None:
+            # a horizon of its own, not the padded width it defaults to: a trainer that ignores
+            # loss_scale_factor is right at the default (a blind audit, 2026-11-27)
+            extra["actor.loss_scale_factor"] = float(SUM_NORM_HORIZON * batch.response_width)
+        vs.append(base_variant(scn, batch, f"cfg:agg:{mode}", **o, **extra,
                                **{"actor.loss_agg_mode": mode, "actor.loss_mode": "vanilla"}))
     return vs
 
