@@ -74,6 +74,14 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
     results += [replay(adapter, p) for p in found]
     if found and not (scenario_names or all_):
         return results
+    plans = []
+    if all_ or not scenario_names:
+        # the built-in scenario (every invariant) first: --all is the default run and every
+        # shipped scenario (a blind audit, 2026-11-27: --all had left it out, and with it the
+        # only scenario that runs padding-microbatches-complete on a target's own padding path)
+        ref = builtin.tiny_model_path(scenarios_dir, "llama")
+        plans.append((builtin.scenario(model, invariants, ref_model_path=ref),
+                      lambda: (builtin.rollout(model), None)))
     if scenario_names or all_:
         from rlaudit.data.io import load_rollout
         from rlaudit.scenarios.spec import load_scenario, resolve
@@ -81,16 +89,7 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
                                                        root=scenarios_dir)]
         # the same rows the scenario engine replays (DAPO group filter applied when enabled),
         # and the unfiltered ones for targets that filter in their own train_step
-        plans = [(s, lambda s=s: _filtered(load_rollout(s.rollout), s)) for s in scenarios]
-    else:
-        plans = []
-    if all_ or not scenario_names:
-        # the built-in scenario (every invariant) first: --all is the default run and every
-        # shipped scenario (a blind audit, 2026-11-27: --all had left it out, and with it the
-        # only scenario that runs padding-microbatches-complete on a target's own padding path)
-        ref = builtin.tiny_model_path(scenarios_dir, "llama")
-        plans.insert(0, (builtin.scenario(model, invariants, ref_model_path=ref),
-                         lambda: (builtin.rollout(model), None)))
+        plans += [(s, lambda s=s: _filtered(load_rollout(s.rollout), s)) for s in scenarios]
     for scn, rollout in plans:
         if not has_stage(adapter, "train_step"):
             results.append(ScenarioResult(

@@ -147,10 +147,11 @@ def test_a_mask_mode_scenario_has_a_lower_bound_of_its_own():
     the configured lower bound passes (a blind audit, 2026-11-27)."""
     found = []
     for path in resolve([], all_=True, root=str(REPO / "scenarios")):
-        rc = load_scenario(path).config.actor.rollout_correction
+        scn = load_scenario(path)
+        rc = scn.config.actor.rollout_correction
         if (rc.rollout_is and rc.rollout_is_mode == "mask" and rc.rollout_is_threshold_lower
                 and abs(rc.rollout_is_threshold_lower - 1 / rc.rollout_is_threshold) > 0.05):
-            found.append(path)
+            found.append(scn.name)
     assert found
 
 
@@ -204,7 +205,7 @@ def test_adamw_scenarios_set_nothing_to_torch_defaults():
             assert tuple(optim.betas) != tuple(defaults["betas"].default), (scn.name, role)
             n = scn.config.rollout.n
             rows = min(len(load_rollout(scn.rollout)["uid"]), scn.config.data.train_batch_size * n)
-            mini = getattr(scn.config, role).ppo_mini_batch_size * n
+            mini = scn.config.actor.ppo_mini_batch_size * n   # every role's (update/plan.py)
             assert rows >= 2 * mini, (scn.name, role, f"{rows} rows a step, mini-batches of {mini}")
     assert adamw
 

@@ -7,6 +7,8 @@ swap ToyTrainer for a subclass with one changed policy.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from examples.toy_trainer import trainer as toy
@@ -335,6 +337,25 @@ class _KLLossSignFlipped(toy.ToyTrainer):
         return loss - self.cfg.kl_loss_coef * kl
 
 
+@contextlib.contextmanager
+def _config_set(cfg, **values):
+    """``cfg``'s fields set to ``values`` for the block (the toy's loss without one term)."""
+    before = {k: getattr(cfg, k) for k in values}
+    for k, v in values.items():
+        setattr(cfg, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(cfg, k, v)
+
+
+def _agg(counts) -> dict:
+    """The toy's aggregation arguments for a micro-batch's ``counts``."""
+    return dict(num_tokens=counts["tokens"], num_seqs=counts["seqs"],
+                norm_len=counts["norm_len"], row_tokens=counts.get("row_tokens"))
+
+
 class _EntropyBonusAsTokenMean(toy.ToyTrainer):
     """The entropy bonus added as a token mean whatever ``loss_agg_mode`` says (the logged
     entropy stays aggregated like the loss): right under token-mean only (a blind audit,
@@ -342,15 +363,10 @@ class _EntropyBonusAsTokenMean(toy.ToyTrainer):
 
     def loss_terms(self, mb, logp, ent, mask, counts, with_entropy):
         coeff = self.cfg.entropy_coeff
-        self.cfg.entropy_coeff = 0.0
-        try:
+        with _config_set(self.cfg, entropy_coeff=0.0):
             loss, stats = super().loss_terms(mb, logp, ent, mask, counts, with_entropy)
-        finally:
-            self.cfg.entropy_coeff = coeff
         if with_entropy and coeff != 0:
-            bonus = toy.aggregate(ent, mask, "token-mean", num_tokens=counts["tokens"],
-                                  num_seqs=counts["seqs"], norm_len=counts["norm_len"])
-            loss = loss - coeff * bonus
+            loss = loss - coeff * toy.aggregate(ent, mask, "token-mean", **_agg(counts))
             stats["loss"] = loss.detach()
         return loss, stats
 
@@ -364,16 +380,11 @@ class _KLWeightedByRolloutIS(toy.ToyTrainer):
         w = mb.get("rollout_is_weights")
         if w is None or not self.cfg.use_kl_loss:
             return super().loss_terms(mb, logp, ent, mask, counts, with_entropy)
-        self.cfg.use_kl_loss = False
-        try:
+        with _config_set(self.cfg, use_kl_loss=False):
             loss, stats = super().loss_terms(mb, logp, ent, mask, counts, with_entropy)
-        finally:
-            self.cfg.use_kl_loss = True
         ref = torch.where(mask > 0, mb["ref_log_probs"], logp.detach())
         kl = toy.aggregate(toy.kl_penalty(logp, ref, self.cfg.kl_loss_type) * w, mask,
-                           self.cfg.loss_agg_mode, num_tokens=counts["tokens"],
-                           num_seqs=counts["seqs"], norm_len=counts["norm_len"],
-                           row_tokens=counts.get("row_tokens"))
+                           self.cfg.loss_agg_mode, **_agg(counts))
         stats["kl_loss"] = kl.detach()
         loss = self.with_kl_penalty(loss, kl)
         stats["loss"] = loss.detach()
