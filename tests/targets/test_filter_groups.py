@@ -125,6 +125,27 @@ def _dapo():
     return scn, raw, batch, build_variants(scn, batch)
 
 
+def test_filter_metric_runs_on_the_raw_score_where_the_penalty_makes_a_difference():
+    """dapo_filter_overlong filters on seq_reward; filter-metric's variant filters on the raw
+    score: the groups whose recorded scores are not all equal (by hand from the rollout), one
+    step. Without the overlong penalty the two metrics agree and no variant is made."""
+    import dataclasses
+
+    from rlaudit.scenarios.invariants.reward import OTHER_METRIC, _other_metric_variants
+    from rlaudit.scenarios.invariants.base import with_overrides
+    scn, raw, batch, variants = _dapo()
+    (v,) = [v for v in variants if v.name == OTHER_METRIC]
+    assert v.config.algorithm.filter_groups.metric == "score" and v.steps == 1
+    scores = {}
+    for u, s in zip(raw["uid"].tolist(), raw["scores"].tolist()):
+        scores.setdefault(u, []).append(s)
+    spread = {u for u, ss in scores.items() if len(set(ss)) > 1}
+    assert set(v.batch["uid"].tolist()) == spread != set(batch["uid"].tolist())
+    no_penalty = dataclasses.replace(scn, config=with_overrides(
+        scn.config, **{"reward.overlong_buffer.enable": False}))
+    assert _other_metric_variants(no_penalty, batch) == []
+
+
 def test_unfiltered_inputs_put_the_dropped_groups_back():
     from rlaudit.targets.dynamic_sampling import unfiltered_inputs
     scn, raw, batch, variants = _dapo()
@@ -216,3 +237,30 @@ def test_a_self_filtering_trainer_keeping_other_groups_is_a_finding_not_bad_inpu
     assert bad and not res.passed
     assert any("kept 24 of the 32 rows" in c.message or "token_level_scores" in c.message
                for c in bad), [c.message for c in bad]
+
+
+class _PenaltyInEveryFilterMetric(broken.toy.ToyTrainer):
+    def step(self, data):               # the filter adds the overlong penalty to any metric
+        with broken._config_set(self.cfg, filter_metric="seq_reward"):
+            return super().step(data)
+
+
+@pytest.mark.slow
+def test_a_filter_adding_the_penalty_to_the_raw_score_is_caught_by_filter_metric():
+    """A blind audit (2026-11-27): a self-filtering trainer adding the overlong penalty to the
+    metric ``score`` too passed --all, as the only shipped filtering scenario filters on
+    ``seq_reward``, where the two agree. filter-metric's one-step run on the raw score hands it
+    32 rows of which the reference keeps 24 (group 7's scores are all equal; only the penalty
+    gives it spread); the base run alone does not see it."""
+    from rlaudit.scenarios.result import ERROR
+    from rlaudit.targets.runner import run_target
+    adapter = broken.toy_with(_PenaltyInEveryFilterMetric, "penalty-in-every-filter-metric")()
+    (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
+                        invariants=["reward-shaping"])[1:]
+    assert res.passed, [(c.invariant, c.backend, c.message) for c in res.checks]
+    (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
+                        invariants=["filter-metric"])[1:]
+    (err,) = [c for c in res.checks if c.backend == adapter.name and c.status == ERROR]
+    assert "metric 'score'" in err.message, err.message
+    assert "kept 28 of the 32 rows" in err.message and "keeps 24" in err.message, err.message
+    assert not res.passed
