@@ -38,6 +38,7 @@ import torch
 import rlaudit
 from rlaudit.data.batch import Kind, RolloutBatch
 from rlaudit.errors import InputError
+from rlaudit.stamps import file_stamps
 
 FORMAT_NAME = "rlaudit.rollout"
 FORMAT_VERSION = 1
@@ -94,7 +95,19 @@ def rollout_sha256(rollout: str | os.PathLike | RolloutBatch | Mapping[str, torc
         return _hashes(rollout.tensors, per_field=False)[0]
     if isinstance(rollout, Mapping):
         return _hashes(rollout, per_field=False)[0]
-    return _hashes(_read_tensors(Path(rollout)), per_field=False)[0]
+    path = Path(rollout)
+    if not path.is_file():
+        raise InputError("rollout file not found", source=str(path))
+    stamp = file_stamps([path])
+    known = _FILE_SHAS.get(stamp)
+    if known is None:
+        known = _FILE_SHAS[stamp] = _hashes(_read_tensors(path), per_field=False)[0]
+    return known
+
+
+#: rollout files hashed in this process, by :func:`rlaudit.stamps.file_stamps` (a scenario's
+#: rollout is hashed for its provenance and its golden; the file is read each time otherwise)
+_FILE_SHAS: dict[tuple, str] = {}
 
 
 def _atomic_write(path: Path, data: bytes) -> Path:

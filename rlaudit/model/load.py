@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from rlaudit.errors import InputError
+from rlaudit.stamps import file_stamps
 
 CONFIG_FILE = "config.json"
 #: Files HF tokenizers are loaded from; one of the first two is enough.
@@ -173,13 +174,26 @@ def snapshot_id(path: str | Path) -> str:
     """
     folder = _folder(path)
     config = _read_config(folder)
+    files = weight_files(folder)
     for key in _VOLATILE_CONFIG_KEYS:
         config.pop(key, None)
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    stamp = (canonical, file_stamps(files))
+    known = _SNAPSHOT_IDS.get(stamp)
+    if known is not None:
+        return known
     digest = hashlib.sha256()
-    digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    for file in weight_files(folder):
+    digest.update(canonical.encode())
+    for file in files:
         digest.update(b"\0" + file.name.encode() + b"\0")
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
-    return digest.hexdigest()[:SNAPSHOT_ID_CHARS]
+    _SNAPSHOT_IDS[stamp] = out = digest.hexdigest()[:SNAPSHOT_ID_CHARS]
+    return out
+
+
+#: snapshot ids already computed in this process, by canonical config and the stamps of the weight
+#: files (a scenario asks for its model's id several times: memo keys, provenance, goldens)
+_SNAPSHOT_IDS: dict[tuple, str] = {}
+

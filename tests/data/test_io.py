@@ -116,6 +116,16 @@ def test_hash_does_not_depend_on_file_layout(saved, tmp_path):
     assert rollout_sha256(changed) != rollout_sha256(batch)
 
 
+def test_a_file_saved_again_hashes_as_its_new_contents(saved):
+    """File hashes are remembered per process by file stamps: saving other rows to the same
+    path gives the new rows' hash, not the remembered one."""
+    batch, path = saved
+    assert rollout_sha256(path) == canonical_sha(batch.tensors)
+    changed = batch.with_fields(scores=torch.tensor([1.0, 0.0, 0.25], dtype=torch.float64))
+    save_rollout(changed, path)
+    assert rollout_sha256(path) == canonical_sha(changed.tensors) != canonical_sha(batch.tensors)
+
+
 def test_save_does_not_mutate_or_keep_aliases(saved):
     batch = make_batch()
     versions = {k: v._version for k, v in batch.tensors.items()}

@@ -116,6 +116,23 @@ def test_snapshot_id(snap, copy, tmp_path):
     assert snapshot_id(other) != sid  # and the weights do
 
 
+def test_snapshot_id_follows_weights_rewritten_in_place(snap, copy):
+    """The ids are remembered per process by file stamps: weights overwritten in place (same
+    file, same size, other values) get a new id, the id of what is now there."""
+    import shutil
+    sid = snapshot_id(copy)
+    (weights,) = weight_files(copy)
+    raw = bytearray(weights.read_bytes())
+    raw[-8:] = bytes(8)                  # the last parameter values zeroed, the size unchanged
+    with open(weights, "r+b") as f:
+        f.write(raw)
+    changed = snapshot_id(copy)
+    assert changed != sid
+    fresh = copy.parent / "fresh"
+    shutil.copytree(copy, fresh)         # computed anew from the bytes, elsewhere
+    assert snapshot_id(fresh) == changed
+
+
 def test_qwen2_snapshot_tokenizer_is_not_replaced_by_qwen2_tokenizer():
     """transformers 5's AutoTokenizer would rebuild it with NFC + a word regex + <|endoftext|>."""
     from pathlib import Path
