@@ -58,10 +58,10 @@ run: venv
 	$(BIN)/rlaudit run --all
 
 test: venv peers
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q --timeout 900
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q --timeout 900
 
 test-fast: venv
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not slow"
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -m "not slow"
 
 bench: venv
 	$(BIN)/python benchmarks/logprob_entropy.py

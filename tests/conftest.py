@@ -16,6 +16,10 @@ torch.set_num_threads(int(os.environ.get("RLAUDIT_TEST_THREADS", "1")))
 # slowing): not conclusive, but off keeps the suite as it was timed before placement.
 # tests/backends/test_placement.py places on purpose.
 os.environ.setdefault("RLAUDIT_PIN_RANKS", "off")
+# the reference memo (rlaudit/backends/memo.py) holds the 80 examples of a run-level fuzz
+# (~4 MB each: the parameters after each step), which the other run-level fuzz tests on the same
+# worker draw again (tests/targets/test_fuzz.py: FUZZ_RUN_GROUP); the default 256 MiB holds ~50
+os.environ.setdefault("RLAUDIT_REFERENCE_MEMO_MB", "640")
 
 settings.register_profile("ci", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

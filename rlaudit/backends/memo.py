@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -69,6 +70,7 @@ def clear() -> None:
     global _bytes
     with _lock:
         _entries.clear()
+        _initials.clear()
         _bytes = 0
 
 
@@ -91,10 +93,24 @@ def key(request: ReplayRequest, variant: Variant) -> str | None:
 
 
 def _size(run: VariantRun) -> int:
+    """Bytes of ``run``'s tensors, its initial parameters aside (see :func:`_interned`)."""
     tensors = [*run.tokens.values(), *run.params]
-    if run.params_initial is not None:
-        tensors.append(run.params_initial)
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+#: initial parameters of the memoised runs, one copy per distinct value: every replay of a model
+#: snapshot starts from the same parameters (a third of a two-step run's bytes)
+_initials: list[torch.Tensor] = []
+
+
+def _interned(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the kept tensor equal to ``t``, bytes newly kept). Call under ``_lock``."""
+    for kept in _initials:
+        if kept.shape == t.shape and kept.dtype == t.dtype and torch.equal(kept, t):
+            return kept, 0
+    kept = t.detach().clone()
+    _initials.append(kept)
+    return kept, kept.numel() * kept.element_size()
 
 
 def lookup(k: str | None) -> VariantRun | None:
@@ -115,7 +131,7 @@ def store(k: str | None, run: VariantRun) -> None:
     global _bytes
     if k is None:
         return
-    kept = copy.deepcopy(run)
+    kept = copy.deepcopy(dataclasses.replace(run, params_initial=None))
     size = _size(kept)
     limit = limit_bytes()
     if size > limit:
@@ -123,8 +139,23 @@ def store(k: str | None, run: VariantRun) -> None:
     with _lock:
         if k in _entries:
             return
+        if run.params_initial is not None:
+            kept.params_initial, new = _interned(run.params_initial)
+            _bytes += new
         _entries[k] = (kept, size)
         _bytes += size
         while _bytes > limit and _entries:
-            _, (_, dropped) = _entries.popitem(last=False)
-            _bytes -= dropped
+            _, (gone, dropped) = _entries.popitem(last=False)
+            _bytes -= dropped + _release(gone.params_initial)
+
+
+def _release(initial: torch.Tensor | None) -> int:
+    """Forget ``initial`` (an interned tensor of an evicted run) when no kept run starts from it;
+    the bytes freed. Call under ``_lock``."""
+    if initial is None or any(run.params_initial is initial for run, _ in _entries.values()):
+        return 0
+    for i, kept in enumerate(_initials):
+        if kept is initial:
+            del _initials[i]
+            return kept.numel() * kept.element_size()
+    return 0

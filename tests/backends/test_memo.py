@@ -154,10 +154,38 @@ def test_least_recently_used_goes_first(monkeypatch):
     a, b, c = _request(lr=0.01), _request(lr=0.02), _request(lr=0.03)
     run = _replay(a)
     one = memo._size(run)
-    monkeypatch.setenv("RLAUDIT_REFERENCE_MEMO_MB", str(2.5 * one / (1 << 20)))  # room for two
+    start = run.params_initial.numel() * run.params_initial.element_size()   # kept once
+    monkeypatch.setenv("RLAUDIT_REFERENCE_MEMO_MB", str((2.5 * one + start) / (1 << 20)))  # two
     memo.clear()
     _replay(a), _replay(b)
     _replay(a)                           # a is now the most recent
     _replay(c)                           # b goes
     keys = [memo.key(r, r.variants[0]) for r in (a, b, c)]
     assert [k in memo._entries for k in keys] == [True, False, True]
+
+
+def test_initial_parameters_are_kept_once_and_handed_out_as_copies(monkeypatch):
+    """Runs from the same starting point share one kept copy of their initial parameters; each
+    caller gets its own; the copy goes when the last run starting from it is evicted."""
+    a, b = _request(lr=0.01), _request(lr=0.02)
+    want = _fresh(a).params_initial
+    ra, rb = _replay(a), _replay(b)
+    (kept,) = memo._initials
+    assert all(run.params_initial is kept for run, _ in memo._entries.values())
+    assert len(memo._entries) == 2 and torch.equal(kept, want)
+    got = _replay(a)                                   # a hit
+    assert got.params_initial is not kept and torch.equal(got.params_initial, want)
+    got.params_initial.add_(1.0)
+    assert torch.equal(kept, want) and torch.equal(_replay(b).params_initial, want)
+    assert memo._bytes == sum(size for _, size in memo._entries.values()) + \
+        kept.numel() * kept.element_size()
+    noisy = _request(lr=0.01, weight_noise=1e-3)       # another starting point
+    fresh = _fresh(noisy)
+    start = fresh.params_initial
+    assert not torch.equal(start, want)
+    room = memo._size(fresh) + start.numel() * start.element_size()
+    monkeypatch.setenv("RLAUDIT_REFERENCE_MEMO_MB", str(room / (1 << 20)))  # room for one
+    _replay(noisy)                                     # a and b go, and their start with them
+    (only,) = memo._initials
+    assert only is not kept and torch.equal(only, start) and len(memo._entries) == 1
+    assert memo._bytes == room

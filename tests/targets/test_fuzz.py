@@ -278,7 +278,25 @@ TRAIN_STEP_BUGS = [broken.EntropyNotLogged, broken.GradNormAfterClip, broken.Per
                    broken.SequenceISFromMean, broken.SequenceISPerToken]
 
 
+#: the run-level fuzz tests draw the same examples (seed 0, the same knobs: every broken trainer
+#: is the toy's) and replay the reference for each: on one xdist worker (``--dist loadgroup``)
+#: the reference half of an example is run once, then answered by the reference memo
+FUZZ_RUN_GROUP = pytest.mark.xdist_group("fuzz-train-step")
+
+
 @pytest.mark.slow
+@FUZZ_RUN_GROUP
+def test_run_level_fuzz_finds_nothing_on_the_toy_trainer(tmp_path):
+    """First in its group: the broken trainers' searches draw its examples again."""
+    report = fuzz_target(ToyAdapter(), stages=["train_step"], found_dir=tmp_path,
+                         report_dir=tmp_path)
+    assert not report.findings, [(f.check, f.message) for f in report.findings]
+    (o,) = report.outcomes
+    assert o.status == "clean" and o.examples >= 1
+
+
+@pytest.mark.slow
+@FUZZ_RUN_GROUP
 @pytest.mark.parametrize("cls", TRAIN_STEP_BUGS, ids=[c.name for c in TRAIN_STEP_BUGS])
 def test_run_level_fuzz_finds_each_broken_trainer_and_the_scenario_replays(cls, tmp_path):
     """Every train_step bug of broken_adapters.py, within the default run budget, and the
@@ -293,15 +311,6 @@ def test_run_level_fuzz_finds_each_broken_trainer_and_the_scenario_replays(cls, 
     mine = {c.invariant: c for c in res.checks if c.backend == adapter.name}
     assert mine[invariant].status == FAIL, mine[invariant].message
     assert all(c.status != FAIL for c in res.checks if c.backend == "reference")
-
-
-@pytest.mark.slow
-def test_run_level_fuzz_finds_nothing_on_the_toy_trainer(tmp_path):
-    report = fuzz_target(ToyAdapter(), stages=["train_step"], found_dir=tmp_path,
-                         report_dir=tmp_path)
-    assert not report.findings, [(f.check, f.message) for f in report.findings]
-    (o,) = report.outcomes
-    assert o.status == "clean" and o.examples >= 1
 
 
 def test_padding_complete_on_a_batch_without_valid_tokens():
