@@ -4,8 +4,9 @@
 
 1. ``rlaudit run seed_stored_kl --backend fsdp --executor ray --json`` on a local Ray cluster (started here, so
    the same cluster serves step 2); the JSON goes to REPORT_DIR/results.json.
-2. Failures on Ray rank groups: rank 1 raises; rank 1's worker dies (``os._exit``: a lost worker);
-   then a task on a fresh group. One JSON line on stdout says what was seen.
+2. Failures on Ray rank groups: rank 1 raises; the next task runs on a fresh group (other
+   processes); then rank 1's worker dies (``os._exit``: a lost worker). One JSON line on stdout
+   says what was seen.
 """
 
 from __future__ import annotations
@@ -54,14 +55,22 @@ def main() -> int:
     pools = RayPoolSet()
     handle = pools.pool("t", 2)
     from ray_driver import fail, sum_ranks  # by module name, which Ray workers can import
-    seen["ok"] = [r["sum"] for r in handle.run(sum_ranks, args=(2.0,))]
-    for mode in ("raise", "die"):
+    first = handle.run(sum_ranks, args=(2.0,))
+    seen["ok"] = [r["sum"] for r in first]
+
+    def failing(mode):
         try:
             handle.run(fail, args=(mode,), timeout=120)
-            seen[mode] = "no failure"
+            return "no failure"
         except RankFailure as e:
-            seen[mode] = str(e)
-    seen["after"] = [r["sum"] for r in handle.run(sum_ranks, args=(1.0,))]
+            return str(e)
+
+    seen["raise"] = failing("raise")
+    # the next task gets a fresh group, which works (and is the one whose worker dies next)
+    after = handle.run(sum_ranks, args=(1.0,))
+    seen["after"] = [r["sum"] for r in after]
+    seen["fresh"] = {r["pid"] for r in after}.isdisjoint(r["pid"] for r in first)
+    seen["die"] = failing("die")
     seen["stats"] = pools.stats
     pools.close()
     ray.shutdown()
