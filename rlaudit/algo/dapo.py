@@ -11,6 +11,10 @@ import torch
 
 from rlaudit.errors import InputError
 
+#: ``algorithm.filter_groups.metric`` values that read the rule score as sampled; the others
+#: (``seq_reward``, ``seq_final_reward``) read it with the overlong penalty added
+RAW_SCORE_METRICS = ("acc", "score")
+
 
 def overlong_penalty(response_lengths: torch.Tensor, *, max_response_length: int, buffer_len: int,
                      penalty_factor: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -95,9 +95,7 @@ def rollout_sha256(rollout: str | os.PathLike | RolloutBatch | Mapping[str, torc
         return _hashes(rollout.tensors, per_field=False)[0]
     if isinstance(rollout, Mapping):
         return _hashes(rollout, per_field=False)[0]
-    path = Path(rollout)
-    if not path.is_file():
-        raise InputError("rollout file not found", source=str(path))
+    path = _existing(Path(rollout))
     stamp = file_stamps([path])
     known = _FILE_SHAS.get(stamp)
     if known is None:
@@ -171,9 +169,14 @@ def save_rollout(batch: RolloutBatch, path: str | os.PathLike, *,
     os.replace(tmp_sidecar, sidecar_path(path))
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _existing(path: Path) -> Path:
     if not path.is_file():
         raise InputError("rollout file not found", source=str(path))
+    return path
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    _existing(path)
     try:
         return safetensors.torch.load(path.read_bytes())
     except (safetensors.SafetensorError, ValueError, OSError) as e:

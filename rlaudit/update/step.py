@@ -20,7 +20,7 @@ import torch
 
 from rlaudit.algo.advantages import compute_advantages
 from rlaudit.algo.agg import masked_mean
-from rlaudit.algo.dapo import filter_groups, overlong_penalty
+from rlaudit.algo.dapo import RAW_SCORE_METRICS, filter_groups, overlong_penalty
 from rlaudit.algo.reward import apply_kl_in_reward, place_scores
 from rlaudit.algo.rollout_corr import is_metrics, mismatch_metrics, rollout_is_weights
 from rlaudit.config import Config
@@ -83,7 +83,7 @@ def select_groups(batch: RolloutBatch, cfg: Config) -> tuple[RolloutBatch, int]:
 def filter_metric(batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """[B] float64: the per-trajectory value DAPO's group filter reads
     (``algorithm.filter_groups.metric``; see :func:`select_groups`)."""
-    if cfg.algorithm.filter_groups.metric in ("acc", "score"):
+    if cfg.algorithm.filter_groups.metric in RAW_SCORE_METRICS:
         return batch["scores"].double()
     return sequence_scores(batch, cfg)[0]
 

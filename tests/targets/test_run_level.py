@@ -84,6 +84,9 @@ def test_k3_without_its_clamp_is_a_convention_declared(tiny_model, builtin_rollo
     assert mine["backend-parity"].status == PASS
 
 
+# invariants run, must fail, must pass, for a knob config-effect varies
+CONFIG_KNOB = (["config-effect", "backend-parity", "entropy-logged-when-coeff-zero"],
+               ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"])
 # adapter, invariants run, must fail, must pass (for the adapter's column)
 CAUGHT = [
     (broken.EntropyNotLogged, ["entropy-logged-when-coeff-zero", "backend-parity",
@@ -94,17 +97,11 @@ CAUGHT = [
     (broken.PerMicroMeanTrainer, ["microbatch-invariance", "backend-parity",
                                   "grad-norm-identity"],
      ["microbatch-invariance", "backend-parity"], ["grad-norm-identity"]),
-    (broken.IgnoresAggModeTrainer, ["config-effect", "backend-parity",
-                                    "entropy-logged-when-coeff-zero"],
-     ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
+    (broken.IgnoresAggModeTrainer, *CONFIG_KNOB),
     # the built-in's aggregation is token-mean: config-effect's entropy pair runs seq-mean
-    (broken.EntropyBonusAsTokenMean, ["config-effect", "backend-parity",
-                                      "entropy-logged-when-coeff-zero"],
-     ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
+    (broken.EntropyBonusAsTokenMean, *CONFIG_KNOB),
     # config-effect's seq-mean-token-sum-norm variant sets a horizon other than the default
-    (broken.IgnoresLossScaleFactor, ["config-effect", "backend-parity",
-                                     "entropy-logged-when-coeff-zero"],
-     ["config-effect", "backend-parity"], ["entropy-logged-when-coeff-zero"]),
+    (broken.IgnoresLossScaleFactor, *CONFIG_KNOB),
     (broken.MutatesInputBatch, ["no-input-mutation", "backend-parity"],
      ["no-input-mutation"], ["backend-parity"]),
     (broken.MetricsReusedBuffer, ["backend-parity", "no-input-mutation"],

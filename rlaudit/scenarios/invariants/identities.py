@@ -155,9 +155,9 @@ def config_effect(ctx: CheckContext):
     step): ``entropy_coeff = c`` lowers ``actor/loss`` by ``c * actor/entropy`` relative to
     ``c = 0`` (under a sequence-mean aggregation: :data:`ENTROPY_PAIR_AGG`); ``kl_loss_coef =
     c`` raises it by ``c * actor/kl_loss``; each ``loss_agg_mode`` gives ``pg_loss = agg(-A)``
-    under that mode (seq-mean-token-sum-norm with a horizon of its own: SUM_NORM_HORIZON). (A term logged as a micro-batch mean while the
-    loss is logged as a contribution enters the loss as its whole-batch aggregate, recomputed from
-    the initial policy's per-token entropy / KL.) Run on every backend, these variants are also
+    under that mode (seq-mean-token-sum-norm with a horizon of its own: SUM_NORM_HORIZON). (A
+    term logged as a micro-batch mean while the loss is logged as a contribution enters the loss
+    as its whole-batch aggregate, recomputed from the initial policy's per-token entropy / KL.) Run on every backend, these variants are also
     compared across backends by backend-parity, so a flag one backend ignores shows up twice."""
     out = []
     scn = ctx.scenario

@@ -7,6 +7,7 @@ import statistics
 
 import torch
 
+from rlaudit.algo.dapo import RAW_SCORE_METRICS
 from rlaudit.data.io import load_rollout
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, compare_tensors,
                                                invariant, not_applicable, result,
@@ -32,7 +33,7 @@ def naive_kept_uids(uids: list[int], metric: list[float]) -> set[int]:
 def _other_metric(metric: str) -> str:
     """The filter metric of the other kind: the raw score where the scenario filters on the
     penalised reward, and the reverse."""
-    return "seq_reward" if metric in ("acc", "score") else "score"
+    return "seq_reward" if metric in RAW_SCORE_METRICS else "score"
 
 
 def _other_metric_variants(scn, batch):
@@ -76,7 +77,7 @@ def _filter_problem(scn, cfg, batch) -> str | None:
     raw = load_rollout(scn.rollout)
     raw_pen = [naive_overlong(n, cfg.rollout.response_length, ob.len, ob.penalty_factor)
                if ob.enable else 0.0 for n in raw["response_lengths"].tolist()]
-    metric = [s + (0.0 if fg.metric in ("acc", "score") else p)
+    metric = [s + (0.0 if fg.metric in RAW_SCORE_METRICS else p)
               for s, p in zip(raw["scores"].tolist(), raw_pen)]
     kept = naive_kept_uids(raw["uid"].tolist(), metric)
     got = set(batch["uid"].tolist())
