@@ -6,7 +6,8 @@
 
 For every ``requirements/peers/<name>-<version>.txt`` this runs
 ``pip install --no-deps --target <peers dir>/<name>-<version> -r <file>`` with the running
-interpreter (``<peers dir>``: :func:`rlaudit.targets.peers.peers_dir`). Peers' own dependency
+interpreter (``<peers dir>``: :func:`rlaudit.targets.peers.peers_dir`), or the same with
+``uv pip install`` where the environment has uv (:func:`install_command`). Peers' own dependency
 lists pull CUDA builds of torch and pins that conflict with the CPU environment, so nothing is
 resolved: each file pins (``==``) the peer plus only the packages its imported modules need that
 the environment lacks. After installing, every top-level module of the new directory is checked
@@ -233,6 +234,33 @@ def _size(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
+def uv_beside_interpreter() -> Path | None:
+    """The ``uv`` installed in the running interpreter's environment (``make venv`` puts it
+    there), if any."""
+    uv = Path(sys.executable).parent / "uv"
+    return uv if uv.is_file() and os.access(uv, os.X_OK) else None
+
+
+def install_command(peer: Peer, target: Path, *, quiet: bool = True) -> list[str]:
+    """The command that installs ``peer``'s requirements file, unresolved (``--no-deps``), into
+    ``target``: uv when the environment has it (~0.4 s a peer from its cache, where pip takes
+    ~4 s), else pip. A file with ``#! pip:`` options (``--ignore-requires-python``, which uv has
+    no equivalent of) always goes to pip. Neither compiles bytecode: only the modules imported
+    get compiled, on first import."""
+    options = pip_options(peer.requirements)
+    uv = None if options else uv_beside_interpreter()
+    if uv is not None:
+        cmd = [str(uv), "pip", "install", "--no-deps", "--python", sys.executable,
+               "--target", str(target), "-r", str(peer.requirements)]
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps",
+               "--disable-pip-version-check", "--no-input", "--no-compile", *options,
+               "--target", str(target), "-r", str(peer.requirements)]
+    if quiet:
+        cmd.insert(cmd.index("install") + 1, "-q")
+    return cmd
+
+
 def install(peer: Peer, *, quiet: bool = True) -> str:
     """Install ``peer`` unless its stamp matches; returns a one-line summary."""
     if peer.up_to_date():
@@ -241,16 +269,13 @@ def install(peer: Peer, *, quiet: bool = True) -> str:
     root = peers_dir()
     tmp = root / f".tmp-{peer.key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
-           "--no-input", "--no-compile", *pip_options(peer.requirements), "--target", str(tmp),
-           "-r", str(peer.requirements)]
-    if quiet:
-        cmd.insert(4, "-q")
+    cmd = install_command(peer, tmp, quiet=quiet)
     try:
         proc = subprocess.run(cmd, capture_output=quiet, text=True)
         if proc.returncode != 0:
             tail = ((proc.stdout or "") + (proc.stderr or ""))[-2000:] if quiet else ""
-            raise RuntimeError(f"{peer.key}: pip failed (exit {proc.returncode}) installing "
+            tool = "uv" if cmd[0] != sys.executable else "pip"
+            raise RuntimeError(f"{peer.key}: {tool} failed (exit {proc.returncode}) installing "
                                f"{peer.requirements}:\n{tail}")
         for name in dropped(peer.requirements):
             entry = tmp / name

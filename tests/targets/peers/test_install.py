@@ -5,6 +5,7 @@ writes files into the --target directory it is given, so stamping, atomic replac
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from rlaudit.targets.peers import install
 @pytest.fixture
 def peers(tmp_path, monkeypatch):
     monkeypatch.setenv("RLAUDIT_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.setattr(install, "uv_beside_interpreter", lambda: None)   # pip unless a test
     req = tmp_path / "requirements"
     req.mkdir()
     return req
@@ -71,6 +73,38 @@ def test_pip_directive_allows_only_known_options(peers, monkeypatch):
     _write(peers, "tool-1.0.txt", "tool==1.0\n#! pip: --index-url http://x\n")
     with pytest.raises(InputError, match=r"'#! pip:' accepts --ignore-requires-python"):
         install.pinned_peers(peers)
+
+
+def test_uv_installs_where_the_environment_has_it_and_pip_where_a_file_needs_pip(
+        peers, monkeypatch, tmp_path):
+    uv = tmp_path / "bin" / "uv"
+    monkeypatch.setattr(install, "uv_beside_interpreter", lambda: uv)
+    _write(peers, "tool-1.0.txt", "tool==1.0\nhelper==3\n")
+    _write(peers, "old-2.0.txt", "old==2.0\n#! pip: --ignore-requires-python\n")
+    calls = _fake_pip(monkeypatch, {"tool_pkg_zz/__init__.py": ""})
+    old, tool = install.pinned_peers(peers)
+    assert "installed" in install.install(tool)
+    cmd = calls[-1]
+    assert cmd[:3] == [str(uv), "pip", "install"] and "--no-deps" in cmd
+    assert cmd[cmd.index("--python") + 1] == sys.executable
+    assert cmd[cmd.index("-r") + 1] == str(tool.requirements)
+    assert (tool.target / "tool_pkg_zz" / "__init__.py").is_file()
+    install.install(old)                                   # uv has no --ignore-requires-python
+    assert calls[-1][:3] == [sys.executable, "-m", "pip"]
+    assert "--ignore-requires-python" in calls[-1]
+    _fake_pip(monkeypatch, {}, returncode=1)
+    tool.requirements.write_text("tool==1.0\nhelper==4\n")
+    with pytest.raises(RuntimeError, match=r"tool-1.0: uv failed \(exit 1\)"):
+        install.install(tool)
+
+
+def test_uv_is_looked_for_beside_the_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setattr(install.sys, "executable", str(tmp_path / "python"))
+    assert install.uv_beside_interpreter() is None
+    (tmp_path / "uv").write_text("")
+    assert install.uv_beside_interpreter() is None          # not executable
+    (tmp_path / "uv").chmod(0o755)
+    assert install.uv_beside_interpreter() == tmp_path / "uv"
 
 
 def test_install_stamps_drops_and_is_idempotent(peers, monkeypatch):
