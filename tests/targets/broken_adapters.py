@@ -332,6 +332,12 @@ class _SequenceISPerToken(toy.ToyTrainer):
         return super().importance_weights(data)
 
 
+class _PenaltyInEveryFilterMetric(toy.ToyTrainer):
+    def step(self, data):               # the filter adds the overlong penalty to any metric
+        with _config_set(self.cfg, filter_metric="seq_reward"):
+            return super().step(data)
+
+
 class _KLLossSignFlipped(toy.ToyTrainer):
     def with_kl_penalty(self, loss, kl):     # the KL term subtracted: pushes away from the ref
         return loss - self.cfg.kl_loss_coef * kl
@@ -428,6 +434,8 @@ ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trai
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
 FilterMisalignsScores = toy_with(_FilterRetakesScores, "filter-misaligns-scores")
+PenaltyInEveryFilterMetric = toy_with(_PenaltyInEveryFilterMetric,
+                                      "penalty-in-every-filter-metric")
 KLLossSignFlipped = toy_with(_KLLossSignFlipped, "kl-loss-sign-flipped")
 CPMetricsReducedTwice = toy_with(_CPMetricsReducedTwice, "cp-metrics-reduced-twice")
 CPLossScaledBySize = toy_with(_CPLossScaledBySize, "cp-loss-scaled-by-size")

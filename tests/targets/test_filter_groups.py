@@ -239,12 +239,6 @@ def test_a_self_filtering_trainer_keeping_other_groups_is_a_finding_not_bad_inpu
                for c in bad), [c.message for c in bad]
 
 
-class _PenaltyInEveryFilterMetric(broken.toy.ToyTrainer):
-    def step(self, data):               # the filter adds the overlong penalty to any metric
-        with broken._config_set(self.cfg, filter_metric="seq_reward"):
-            return super().step(data)
-
-
 @pytest.mark.slow
 def test_a_filter_adding_the_penalty_to_the_raw_score_is_caught_by_filter_metric():
     """A blind audit (2026-11-27): a self-filtering trainer adding the overlong penalty to the
@@ -254,7 +248,7 @@ def test_a_filter_adding_the_penalty_to_the_raw_score_is_caught_by_filter_metric
     gives it spread); the base run alone does not see it."""
     from rlaudit.scenarios.result import ERROR
     from rlaudit.targets.runner import run_target
-    adapter = broken.toy_with(_PenaltyInEveryFilterMetric, "penalty-in-every-filter-metric")()
+    adapter = broken.PenaltyInEveryFilterMetric()
     (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
                         invariants=["reward-shaping"])[1:]
     assert res.passed, [(c.invariant, c.backend, c.message) for c in res.checks]

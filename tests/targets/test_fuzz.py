@@ -278,6 +278,41 @@ TRAIN_STEP_BUGS = [broken.EntropyNotLogged, broken.GradNormAfterClip, broken.Per
                    broken.SequenceISFromMean, broken.SequenceISPerToken]
 
 
+def test_the_filter_metric_is_a_knob_of_the_run_level_fuzz():
+    """The DAPO filter's metric is drawn (rlaudit's default first), after every other part of
+    an example, and reaches the scenario's config. (A trainer adding the overlong penalty to the
+    raw score, broken.PenaltyInEveryFilterMetric, is not found within the default budget, seed
+    0, so it is not one of TRAIN_STEP_BUGS: --run-budget 100 finds it at the 78th example;
+    filter-metric catches it in dapo_filter_overlong, tests/targets/test_filter_groups.py.)"""
+    from hypothesis import HealthCheck, Phase
+    from hypothesis import seed as hseed
+
+    from rlaudit.config import FilterGroupsConfig, load_config
+    from rlaudit.targets.fuzz_run import DRAWN_LAST, config_of, example_strategy, knobs
+    key = "algorithm.filter_groups.metric"
+    table = knobs(ToyAdapter())
+    assert table[key] == ["seq_final_reward", "seq_reward", "score"]
+    assert table[key][0] == FilterGroupsConfig().metric and key in DRAWN_LAST
+    seen = collections.Counter()
+
+    @hseed(0)
+    @settings(max_examples=60, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(example_strategy(ToyAdapter(), rows=8, groups=2))
+    def draw(ex):
+        assert list(ex["knobs"]) == [k for k, v in table.items() if v]   # the table's order
+        seen[ex["knobs"][key]] += 1
+
+    draw()
+    assert set(seen) == set(table[key]), seen
+    for metric in table[key]:
+        cfg, _ = config_of({**{k: v[0] for k, v in table.items() if v}, key: metric,
+                            "algorithm.filter_groups.enable": True})
+        loaded = load_config(cfg)
+        assert loaded.algorithm.filter_groups.metric == metric
+        assert loaded.algorithm.filter_groups.enable
+
+
 #: the run-level fuzz tests draw the same examples (seed 0, the same knobs: every broken trainer
 #: is the toy's) and replay the reference for each: on one xdist worker (``--dist loadgroup``)
 #: the reference half of an example is run once, then answered by the reference memo
