@@ -49,8 +49,9 @@ constraints:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 	rm -rf .venv-constraints
 
-# Each peer (verl, SkyRL, ...) in its own `pip install --no-deps --target` directory under
-# .peers/ ($RLAUDIT_PEERS_DIR overrides): instant when its stamp matches its requirements file.
+# Each peer (verl, SkyRL, ...) in its own `uv pip install --no-deps --target` directory (pip for
+# a file with a `#! pip:` option, or without uv) under .peers/ ($RLAUDIT_PEERS_DIR overrides):
+# instant when its stamp matches its requirements file.
 peers: venv
 	$(BIN)/python -m rlaudit.targets.peers.install
 
