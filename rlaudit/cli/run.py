@@ -105,11 +105,9 @@ def _run(args) -> int:
             for res in results:
                 print(render_result(res), flush=True)
                 print(flush=True)
-        if not args.scenarios and not args.all:
-            print("rlaudit: the stage checks and the built-in scenario only; `--all` replays "
-                  "every shipped scenario on the target too (optimizer state over steps, stale "
-                  "rollouts, DAPO, distillation, ...): what a release audit runs",
-                  file=sys.stderr)
+        note = target_scope_note(args.scenarios, args.all)
+        if note:
+            print(note, file=sys.stderr)
     else:
         from rlaudit.scenarios.outcome import run_isolated
         from rlaudit.scenarios.validate import validate_invocation
@@ -158,6 +156,22 @@ def _run(args) -> int:
         print(render_summary(results))
     from rlaudit.scenarios.outcome import exit_code
     return exit_code(results, require_golden=args.require_golden)
+
+
+def target_scope_note(scenarios: list[str] | None, all_: bool) -> str | None:
+    """What a ``--target`` run left out, for stderr (stdout may be JSON): without names, every
+    shipped scenario; with names, the built-in scenario (a blind audit's trainer that averaged
+    its entropy over tool-output holes was green on four named scenarios, none of which has
+    both, and red on the built-in one). None with ``--all``, which runs everything."""
+    if all_:
+        return None
+    if not scenarios:
+        return ("rlaudit: the stage checks and the built-in scenario only; `--all` replays "
+                "every shipped scenario on the target too (optimizer state over steps, stale "
+                "rollouts, DAPO, distillation, ...): what a release audit runs")
+    return ("rlaudit: the stage checks and the named scenarios only: the built-in scenario "
+            "(every invariant that applies, on rlaudit's own rollout) runs when no scenario is "
+            "named, or with `--all`, which adds every shipped scenario")
 
 
 def _start_rank_imports(args, paths) -> None:

@@ -146,6 +146,18 @@ def test_cli_exit_codes_and_json(tmp_path, capsys, monkeypatch):
     assert main(["run", "--target", "nowhere_at_all:X", *common]) == 2
 
 
+def test_a_target_run_says_on_stderr_what_it_left_out():
+    """Named scenarios replace the built-in one: said, as the unnamed run says what --all adds
+    (a blind audit's trainer was green on four named scenarios, red on the built-in one)."""
+    from rlaudit.cli.run import target_scope_note
+    assert "`--all` replays every shipped scenario" in target_scope_note(None, False)
+    assert "`--all` replays every shipped scenario" in target_scope_note([], False)
+    named = target_scope_note(["kl_k1"], False)
+    assert "named scenarios only" in named and "built-in scenario" in named
+    assert "no scenario is named, or with `--all`" in named
+    assert target_scope_note(None, True) is None and target_scope_note(["kl_k1"], True) is None
+
+
 def test_to_variant_run_validates_what_train_step_returns():
     from rlaudit.backends.base import Variant
     from rlaudit.config import Config
