@@ -261,6 +261,20 @@ def test_fuzz_cli_writes_and_run_replays(tmp_path, capsys):
     assert (tmp_path / "r" / "fuzz" / "hypothesis").is_dir()
 
 
+def test_a_clean_result_below_the_default_budgets_says_so():
+    """A blind audit's trainer was clean at --run-budget 5 (found at the 12th example)."""
+    from rlaudit.cli.fuzz import budget_note
+    from rlaudit.targets.fuzz_run import DEFAULT_RUN_BUDGET
+    assert budget_note(DEFAULT_BUDGET, None, found=False) is None
+    assert budget_note(DEFAULT_BUDGET, DEFAULT_RUN_BUDGET, found=False) is None
+    assert budget_note(DEFAULT_BUDGET, 0, found=False) is None          # run level skipped
+    assert budget_note(1, 5, found=True) is None                          # a finding stands
+    note = budget_note(DEFAULT_BUDGET, 5, found=False)
+    assert f"--run-budget 5 < {DEFAULT_RUN_BUDGET}" in note and "--budget" not in note
+    note = budget_note(1, None, found=False)
+    assert f"--budget 1 < {DEFAULT_BUDGET}" in note and "--run-budget" not in note
+
+
 def test_cli_help_defaults_match_the_library():
     from rlaudit.cli import fuzz as cli
     from rlaudit.targets.fuzz_run import DEFAULT_RUN_BUDGET
