@@ -89,9 +89,11 @@ def _build(name: str, group_sizes: list[int], uids: list[int], lengths: list[int
     scores = (torch.randint(0, 2, (b,), generator=g).double() if not equal_scores
               else torch.ones(b, dtype=torch.float64))
     # outcome reward on the last valid token plus small per-token shaping on every valid token,
-    # so "sum of a row's rewards" and "reward at the last token" are different numbers
+    # so "sum of a row's rewards" and "reward at the last token" are different numbers -- except
+    # in the equal-scores case, whose groups must have no spread at all (std exactly 0: a
+    # trainer that sends such a group down its one-row path gives it its raw score, not 0)
     last = (torch.arange(width).unsqueeze(0) == (lens - 1).clamp(min=0).unsqueeze(1)) & mask
-    shaping = rand(-0.1, 0.1)
+    shaping = rand(-0.1, 0.1) * (0.0 if equal_scores else 1.0)
     rewards = torch.where(last, scores.unsqueeze(1), zero) + shaping
     old = rand(-4.0, -0.05)
     ratios = torch.tensor(LOG_RATIOS, dtype=torch.float64)
@@ -114,7 +116,9 @@ def _build(name: str, group_sizes: list[int], uids: list[int], lengths: list[int
 def default_cases() -> list[Case]:
     """The cases every stage check runs on (B <= 10, R <= 7)."""
     return [
-        _build("ragged", [4, 1, 3, 2], [10**12, -5, 7, 2**40 + 3],
+        # 7 and 2**40 + 7 are one number in int32: a trainer packing uids into 32 bits (for an
+        # all-gather, say) merges their groups
+        _build("ragged", [4, 1, 3, 2], [10**12, -5, 7, 2**40 + 7],
                lengths=[7, 0, 1, 5, 7, 3, 6, 2, 7, 4], width=7,
                holes={0: [2, 3], 4: [6]}, all_masked=(8,), seed=1),
         _build("uniform", [4, 4], [0, 1], lengths=[5] * 8, width=5, seed=2),

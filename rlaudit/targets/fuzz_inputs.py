@@ -341,7 +341,8 @@ def stage_draws(stage: str, adapter, precision: str, check: str = ""):
         def kl(draw):
             over = {"kl_estimators": (draw(st.sampled_from(kinds)),)}
             if stage == "apply_kl_in_reward":
-                over["kl_coef"] = draw(st.sampled_from([0.1, 0.001, 1.0]))
+                # 0: the penalty off, the KL still computed and stored (verl #6016's kind)
+                over["kl_coef"] = draw(st.sampled_from([0.1, 0.001, 1.0, 0.0]))
             return Draw((draw(cases(bound=bound)),), over)
         return kl()
     if stage == "agg_loss":

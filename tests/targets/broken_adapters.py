@@ -140,6 +140,51 @@ class GroupsByPosition(ReferenceAdapter):
         return super().compute_advantages(uid=torch.arange(len(uid)) // n, **kw)
 
 
+class ZeroSpreadAsSingleton(ReferenceAdapter):
+    """GRPO: a group whose rewards do not vary goes down the one-row path (mean 0, std 1), so
+    its rows get their raw scores as advantages instead of 0 (a fifth blind audit's)."""
+
+    name = "zero-spread-as-singleton"
+
+    def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid, **kw):
+        adv, ret = super().compute_advantages(
+            estimator=estimator, token_level_rewards=token_level_rewards,
+            response_mask=response_mask, uid=uid, **kw)
+        if estimator != "grpo":
+            return adv, ret
+        score = (token_level_rewards * response_mask).sum(-1)
+        flat = torch.tensor([bool((score[uid == u] == score[uid == u][0]).all())
+                             and int((uid == u).sum()) > 1 for u in uid.tolist()])
+        raw = score.unsqueeze(-1) * response_mask
+        adv = torch.where(flat.unsqueeze(-1), raw, adv)
+        return adv, adv.clone()
+
+
+class UidsIn32Bits(ReferenceAdapter):
+    """Group ids packed into int32 (for an all-gather) before grouping: ids equal modulo 2**32
+    merge their groups (a fifth blind audit's)."""
+
+    name = "uids-in-32-bits"
+
+    def compute_advantages(self, *, uid, **kw):
+        return super().compute_advantages(uid=uid.to(torch.int32).to(torch.int64), **kw)
+
+
+class NoKLWhenCoefZero(ReferenceAdapter):
+    """KL in reward with a coefficient of 0: the stored KL (logged as rollout/kl) is zeros
+    instead of the KL (verl #6016's kind; a fifth blind audit's)."""
+
+    name = "no-kl-when-coef-zero"
+
+    def apply_kl_in_reward(self, *, token_level_scores, old_log_probs, ref_log_probs,
+                           response_mask, kl_coef, kl_penalty):
+        rewards, kl = super().apply_kl_in_reward(
+            token_level_scores=token_level_scores, old_log_probs=old_log_probs,
+            ref_log_probs=ref_log_probs, response_mask=response_mask, kl_coef=kl_coef,
+            kl_penalty=kl_penalty)
+        return (rewards, torch.zeros_like(kl)) if kl_coef == 0 else (rewards, kl)
+
+
 class MaskedValuesLeak(ReferenceAdapter):
     """token-mean written as ``loss.sum() / mask.sum()``: per-token losses on masked positions
     leak into the result (harmless only while those positions happen to hold zeros)."""

@@ -27,6 +27,7 @@ from rlaudit.targets.runner import run_target
 STAGE_BUGS = [
     (broken.RewardsAliasScores, "apply_kl_in_reward:no-mutation"),
     (broken.StoredKLInPlace, "apply_kl_in_reward:stored-kl-unaltered"),
+    (broken.NoKLWhenCoefZero, "apply_kl_in_reward:stored-kl-unaltered"),     # kl_coef 0 drawn
     (broken.DropsLastRow, "make_microbatches:tokens-exactly-once"),
     (broken.NestedIndexingDistill, "distill_loss:nested-matches-padded"),
     (broken.MutatesRewards, "compute_advantages:no-mutation"),
@@ -43,7 +44,7 @@ STAGE_BUGS = [
     (broken.FilterMisalignsScores, "filter_groups:rows-aligned"),
     (broken.NoPaddingToy, "make_microbatches:equal-count-per-rank"),
 ]
-FAST = 7
+FAST = 8
 
 
 def _found_and_replayed(adapter, check, tmp_path):

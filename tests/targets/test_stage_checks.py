@@ -74,6 +74,14 @@ CAUGHT = [
       "policy_loss:masked-values", "policy_loss:no-mutation"]),
     (broken.NaNAdvantages, ["compute_advantages"],
      ["compute_advantages:parity", "compute_advantages:identities"], []),
+    # the fixed equal-scores case's groups have no spread at all; the ragged case's uids 7 and
+    # 2**40 + 7 are one number in 32 bits (both missed by a fifth blind audit before)
+    (broken.ZeroSpreadAsSingleton, ["compute_advantages"],
+     ["compute_advantages:parity", "compute_advantages:identities"],
+     ["compute_advantages:masked-values", "compute_advantages:no-mutation"]),
+    (broken.UidsIn32Bits, ["compute_advantages"],
+     ["compute_advantages:parity", "compute_advantages:identities"],
+     ["compute_advantages:masked-values", "compute_advantages:no-mutation"]),
 ]
 
 
