@@ -483,6 +483,13 @@ def agg_parity(env: StageEnv) -> CheckResult:
     return t.result("mode x case comparisons agree")
 
 
+def trimmed_width(mask: torch.Tensor) -> int:
+    """The width of ``mask``'s rows cut after their last valid token (at least 1): a
+    micro-batch padded to its own longest response."""
+    valid = mask.any(0).nonzero()
+    return max(int(valid[-1]) + 1 if len(valid) else 1, 1)
+
+
 @stage_check("agg_loss", "global-split", "metamorphic")
 def agg_global_split(env: StageEnv) -> CheckResult:
     """With the whole batch's ``Denominators`` passed to every micro-batch, the micro-batch
@@ -502,11 +509,15 @@ def agg_global_split(env: StageEnv) -> CheckResult:
                 whole_grad = _grad_of(whole, whole_leaf)
                 parts, grads = [], torch.zeros_like(lm)
                 for rows in split_rows(len(lm)):
-                    leaf = lm[rows].requires_grad_(True)
-                    out, given_leaf = _agg(env, leaf, case.mask[rows], mode, denom,
-                                           label=f"{mode} rows {rows.tolist()}")
+                    # each micro-batch padded to its own longest response, as trainers that
+                    # pad per micro-batch do: the whole batch's width R reaches it only as
+                    # denominators.norm_len (seq-mean-token-sum-norm divides by it)
+                    w = trimmed_width(case.mask[rows])
+                    leaf = lm[rows][:, :w].requires_grad_(True)
+                    out, given_leaf = _agg(env, leaf, case.mask[rows][:, :w], mode, denom,
+                                           label=f"{mode} rows {rows.tolist()} (width {w})")
                     parts.append(out.detach() if isinstance(out, torch.Tensor) else out)
-                    grads[rows] = _grad_of(out, given_leaf)
+                    grads[rows, :w] = _grad_of(out, given_leaf)
                 total = sum(float(p) for p in parts)
                 t.compare(f"{mode} on {case.name}: sum over {len(parts)} micro-batches", total,
                           whole.detach())

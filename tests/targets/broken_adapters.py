@@ -8,6 +8,7 @@ swap ToyTrainer for a subclass with one changed policy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -183,6 +184,19 @@ class NoKLWhenCoefZero(ReferenceAdapter):
             ref_log_probs=ref_log_probs, response_mask=response_mask, kl_coef=kl_coef,
             kl_penalty=kl_penalty)
         return (rewards, torch.zeros_like(kl)) if kl_coef == 0 else (rewards, kl)
+
+
+class NormLenFromWidth(ReferenceAdapter):
+    """seq-mean-token-sum-norm divided by the micro-batch's own padded width instead of the
+    whole batch's ``denominators.norm_len`` (a sixth blind audit's)."""
+
+    name = "norm-len-from-width"
+
+    def agg_loss(self, *, loss_mat, mask, mode, denominators=None):
+        if mode == "seq-mean-token-sum-norm" and denominators is not None:
+            denominators = dataclasses.replace(denominators, norm_len=float(mask.shape[-1]))
+        return super().agg_loss(loss_mat=loss_mat, mask=mask, mode=mode,
+                                denominators=denominators)
 
 
 class MaskedValuesLeak(ReferenceAdapter):

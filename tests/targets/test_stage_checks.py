@@ -79,6 +79,10 @@ CAUGHT = [
     (broken.ZeroSpreadAsSingleton, ["compute_advantages"],
      ["compute_advantages:parity", "compute_advantages:identities"],
      ["compute_advantages:masked-values", "compute_advantages:no-mutation"]),
+    # micro-batches padded to their own width in agg_loss:global-split (before: the whole
+    # batch's width, where ignoring norm_len could not show)
+    (broken.NormLenFromWidth, ["agg_loss"], ["agg_loss:global-split"],
+     ["agg_loss:parity", "agg_loss:no-mutation"]),
     (broken.UidsIn32Bits, ["compute_advantages"],
      ["compute_advantages:parity", "compute_advantages:identities"],
      ["compute_advantages:masked-values", "compute_advantages:no-mutation"]),
