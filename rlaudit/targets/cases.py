@@ -93,7 +93,9 @@ def _build(name: str, group_sizes: list[int], uids: list[int], lengths: list[int
     # in the equal-scores case, whose groups must have no spread at all (std exactly 0: a
     # trainer that sends such a group down its one-row path gives it its raw score, not 0)
     last = (torch.arange(width).unsqueeze(0) == (lens - 1).clamp(min=0).unsqueeze(1)) & mask
-    shaping = rand(-0.1, 0.1) * (0.0 if equal_scores else 1.0)
+    shaping = rand(-0.1, 0.1)             # drawn in every case: later draws stay as they were
+    if equal_scores:
+        shaping = torch.zeros_like(shaping)
     rewards = torch.where(last, scores.unsqueeze(1), zero) + shaping
     old = rand(-4.0, -0.05)
     ratios = torch.tensor(LOG_RATIOS, dtype=torch.float64)

@@ -484,10 +484,10 @@ def agg_parity(env: StageEnv) -> CheckResult:
 
 
 def trimmed_width(mask: torch.Tensor) -> int:
-    """The width of ``mask``'s rows cut after their last valid token (at least 1): a
-    micro-batch padded to its own longest response."""
-    valid = mask.any(0).nonzero()
-    return max(int(valid[-1]) + 1 if len(valid) else 1, 1)
+    """The width of ``mask``'s rows cut after the last column holding a valid token (1 when
+    none does): a micro-batch padded to its own longest response."""
+    cols = mask.any(0).nonzero()
+    return int(cols[-1]) + 1 if len(cols) else 1
 
 
 @stage_check("agg_loss", "global-split", "metamorphic")

@@ -143,7 +143,7 @@ class GroupsByPosition(ReferenceAdapter):
 
 class ZeroSpreadAsSingleton(ReferenceAdapter):
     """GRPO: a group whose rewards do not vary goes down the one-row path (mean 0, std 1), so
-    its rows get their raw scores as advantages instead of 0 (a fifth blind audit's)."""
+    its rows get their raw scores as advantages instead of 0 (the sixth blind audit's)."""
 
     name = "zero-spread-as-singleton"
 
@@ -163,7 +163,7 @@ class ZeroSpreadAsSingleton(ReferenceAdapter):
 
 class UidsIn32Bits(ReferenceAdapter):
     """Group ids packed into int32 (for an all-gather) before grouping: ids equal modulo 2**32
-    merge their groups (a fifth blind audit's)."""
+    merge their groups (the sixth blind audit's)."""
 
     name = "uids-in-32-bits"
 
@@ -173,7 +173,7 @@ class UidsIn32Bits(ReferenceAdapter):
 
 class NoKLWhenCoefZero(ReferenceAdapter):
     """KL in reward with a coefficient of 0: the stored KL (logged as rollout/kl) is zeros
-    instead of the KL (verl #6016's kind; a fifth blind audit's)."""
+    instead of the KL (verl #6016's kind; the sixth blind audit's)."""
 
     name = "no-kl-when-coef-zero"
 
@@ -188,7 +188,7 @@ class NoKLWhenCoefZero(ReferenceAdapter):
 
 class NormLenFromWidth(ReferenceAdapter):
     """seq-mean-token-sum-norm divided by the micro-batch's own padded width instead of the
-    whole batch's ``denominators.norm_len`` (a sixth blind audit's)."""
+    whole batch's ``denominators.norm_len`` (the sixth blind audit's)."""
 
     name = "norm-len-from-width"
 

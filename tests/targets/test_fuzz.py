@@ -259,7 +259,12 @@ def test_fuzz_cli_writes_and_run_replays(tmp_path, capsys):
     run = ["run", str(path), "--no-mlflow", "--report-dir", str(tmp_path / "r")]
     assert main([*run, "--target", "broken_adapters:IgnoresClipHigh"]) == 1
     assert main([*run, "--target", "rlaudit.targets.reference:ReferenceAdapter"]) == 0
+    assert "the stage checks and the named scenarios only" in capsys.readouterr().err
     assert (tmp_path / "r" / "fuzz" / "hypothesis").is_dir()
+    # clean below the default budget: said on stderr
+    assert main(["fuzz", "--target", "rlaudit.targets.reference:ReferenceAdapter", *args[:2],
+                 "--budget", "2", *args[2:]]) == 0
+    assert f"--budget 2 < {DEFAULT_BUDGET}" in capsys.readouterr().err
 
 
 def test_a_clean_result_below_the_default_budgets_says_so():

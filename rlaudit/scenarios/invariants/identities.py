@@ -157,8 +157,9 @@ def config_effect(ctx: CheckContext):
     c`` raises it by ``c * actor/kl_loss``; each ``loss_agg_mode`` gives ``pg_loss = agg(-A)``
     under that mode (seq-mean-token-sum-norm with a horizon of its own: SUM_NORM_HORIZON). (A
     term logged as a micro-batch mean while the loss is logged as a contribution enters the loss
-    as its whole-batch aggregate, recomputed from the initial policy's per-token entropy / KL.) Run on every backend, these variants are also
-    compared across backends by backend-parity, so a flag one backend ignores shows up twice."""
+    as its whole-batch aggregate, recomputed from the initial policy's per-token entropy / KL.)
+    Run on every backend, these variants are also compared across backends by backend-parity,
+    so a flag one backend ignores shows up twice."""
     out = []
     scn = ctx.scenario
     names = ["cfg:entropy0", "cfg:entropy", "cfg:kl0", "cfg:kl"] + [f"cfg:agg:{m}" for m in AGG_MODES]
