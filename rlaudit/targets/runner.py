@@ -165,18 +165,9 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
             check_invariant(inv, ctx, name, adapter, target.skipped), name, decl)]
 
     found = checks()
-    draw = 0
-    while (decl.noise() and ORACLE in runs and draw < NOISE_DRAWS
-           and any(r.status not in CLEAN for r in found)):
-        # the noise floor only ever widens a bound (see attach_noise_floor): checks that all
-        # pass without it pass with it, so it is measured only when one does not; measured
-        # again with the next draw only when every comparison it decided failed narrowly
-        attach_noise_floor(runs, scn, variants, decl.noise(), draw=draw)
-        draw += 1
-        with near_misses() as missed:
-            found = checks()
-        if not 0.0 < missed["worst"] <= NEAR_MISS:
-            break
+    if decl.noise() and ORACLE in runs:
+        found = with_noise_floor(found, checks, lambda draw: attach_noise_floor(
+            runs, scn, variants, decl.noise(), draw=draw))
     res.checks.extend(found)
     res.runs = runs
     if not res.passed:  # only a failure is localised: nothing extra runs otherwise
@@ -205,6 +196,27 @@ CLEAN = (PASS, NA)
 
 #: draws of the perturbed replay at most (each one more replay of every variant)
 NOISE_DRAWS = 3
+
+
+def with_noise_floor(found: list[CheckResult], checks, measure) -> list[CheckResult]:
+    """The check results once the noise floor has decided what it can: ``found`` are the checks
+    without a floor, ``checks()`` runs them again, ``measure(draw)`` attaches draw ``draw`` of the
+    floor (:func:`attach_noise_floor`).
+
+    The floor only ever widens a bound, so checks that all pass without it pass with it: it is
+    measured only when one does not. It is measured again, with the next draw (up to
+    NOISE_DRAWS), only when every comparison it decided failed narrowly -- by at most NEAR_MISS
+    times its bound (one draw's spread can fall short where clipping amplifies rounding); a
+    failure by more, or by an unbounded ratio, is a finding and costs no further draw."""
+    draw = 0
+    while draw < NOISE_DRAWS and any(r.status not in CLEAN for r in found):
+        measure(draw)
+        draw += 1
+        with near_misses() as missed:
+            found = checks()
+        if not 0.0 < missed["worst"] <= NEAR_MISS:
+            break
+    return found
 
 
 def attach_noise_floor(runs: dict, scn: Scenario, variants, noise: float, *,

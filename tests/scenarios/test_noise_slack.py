@@ -148,3 +148,58 @@ def test_a_zero_bound_is_no_near_miss_and_no_crash():
         c = compare_runs(Exact(), _run(**{"actor/pg_loss": 0.41}), want, mask=MASK, tokens=(),
                          params=False)
     assert not c.ok and missed["worst"] == float("inf")
+
+
+# ---- how many draws of the floor the target runner measures ------------------------------------
+
+def _draws(spreads, off):
+    """The target runner's loop (runner.with_noise_floor) on one metric comparison: ``got``'s
+    pg_loss is ``off`` from the reference's; draw i of the floor moves the entropy by
+    ``spreads[i]`` relative (the widest draw so far is what the comparison sees). Worked by hand:
+    a relative spread s gives pg_loss the bound 1e-5 + 1e-4 * 0.4 + 10 * s * 0.4."""
+    from rlaudit.scenarios.result import FAIL, PASS, CheckResult
+    from rlaudit.targets.runner import with_noise_floor
+
+    want, got = _run(), _run(**{"actor/pg_loss": 0.40 + off})
+    drawn = []
+
+    def measure(draw):
+        drawn.append(draw)
+        _with_noise(want, **{"actor/entropy": 1.5 * (1 + max(spreads[:draw + 1]))})
+
+    def checks():
+        ok = _compare(got, want).ok
+        return [CheckResult("backend-parity", "t", PASS if ok else FAIL, "")]
+
+    found = with_noise_floor(checks(), checks, measure)
+    return found[0].status, drawn
+
+
+def test_the_floor_is_measured_only_when_a_check_fails_and_again_only_on_a_near_miss():
+    from rlaudit.scenarios.result import FAIL, PASS
+    from rlaudit.targets.runner import NOISE_DRAWS
+    assert NOISE_DRAWS == 3
+    # passes without a floor (bound 5e-5): nothing measured
+    assert _draws([1e-4, 1e-4, 1e-4], 4e-5) == (PASS, [])
+    # 9e-4 off: draw 0 (s = 1e-4) bounds it by 4.5e-4, a miss by 2x; draw 1 (s = 3e-4) by 1.25e-3
+    assert _draws([1e-4, 3e-4, 0.0], 9e-4) == (PASS, [0, 1])
+    # draw 0 already decides it: no second draw
+    assert _draws([3e-4, 3e-4, 3e-4], 9e-4) == (PASS, [0])
+    # a miss by 10x (s = 1e-5: bound 9e-5) is a finding, not a near miss: one draw
+    assert _draws([1e-5, 1e-2, 1e-2], 9e-4) == (FAIL, [0])
+    # near misses on every draw: NOISE_DRAWS draws, then it stands
+    assert _draws([1e-4, 1e-4, 1e-4], 9e-4) == (FAIL, [0, 1, 2])
+    # 4x is still near (bound 4.5e-4, off 1.8e-3), just over 4x is not
+    assert _draws([1e-4, 3e-3, 0.0], 1.8e-3 * (1 - 1e-9)) == (PASS, [0, 1])
+    assert _draws([1e-4, 3e-3, 0.0], 1.8e-3 * (1 + 1e-6)) == (FAIL, [0])
+
+
+def test_a_failure_no_floor_bounds_is_not_measured_again():
+    """A check that fails without any floored comparison (nothing near to decide) costs one
+    draw: the one that showed the floor could not help."""
+    from rlaudit.scenarios.result import FAIL, CheckResult
+    from rlaudit.targets.runner import with_noise_floor
+    drawn = []
+    out = with_noise_floor([CheckResult("x", "t", FAIL, "raised")],
+                           lambda: [CheckResult("x", "t", FAIL, "raised")], drawn.append)
+    assert [r.status for r in out] == [FAIL] and drawn == [0]

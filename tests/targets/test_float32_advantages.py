@@ -4,8 +4,8 @@ and the same trainer broken is still caught there.
 Why it was red (a false alarm found by a blind audit): short-dapo's scores are k/12 held in
 float32. Group 0 scores 10/12, 12/12, 11/12, 11/12, whose mean is 11/12 -- but of the float32
 roundings: in float64 that mean lands 1.5e-8 from float32's 11/12, and the two rows scoring 11/12
-get advantage 2.2e-7; in float32 the mean rounds onto 11/12 and they get exactly 0. AdamW divides a gradient by its own size: the weights only those
-rows' tokens reach (rows of the tied embedding) move by ~lr/2 in the reference and not at all in
+get advantage 2.2e-7; in float32 the mean rounds onto 11/12 and they get exactly 0. AdamW
+divides a gradient by its own size: the weights only those rows' tokens reach (rows of the tied embedding) move by ~lr/2 in the reference and not at all in
 the trainer, and the step-1 entropy differs by 1e-3 against a floor of 9e-6. The noise floor's
 perturbed replay now rounds the scores too (each distinct score moved by the unit roundoff,
 ``rlaudit.backends.reference.perturb_scores``): its step-1 entropy moves by 7.6e-4, as a trainer's
@@ -130,17 +130,23 @@ def _bf16_dual_clip(monkeypatch, draws):
     return next(c for c in res.checks if c.backend == "toy-bf16"), calls
 
 
-def test_a_near_miss_measures_the_floor_again(monkeypatch):
-    """A correct bf16 trainer on ppo_dual_clip: its step-0 grad norm is 5.79 against the
-    reference's 4.05 (dual-clipped ratios amplify bf16 rounding); the first draw of the
-    perturbed replay moves it by 0.14 (floor 1.4, a near miss), six draws by 0.14-1.3. With one
-    draw it fails; with the next draws measured it passes."""
-    check, calls = _bf16_dual_clip(monkeypatch, 1)
-    assert check.status == FAIL and "actor/grad_norm" in check.message, check.message
-    assert calls == [0]
+def test_a_correct_bf16_trainer_on_ppo_dual_clip_is_green_within_the_draws(monkeypatch):
+    """A correct bf16 trainer on ppo_dual_clip, where dual-clipped ratios amplify bf16 rounding:
+    green with the draws of the perturbed replay the runner measures. What one draw does
+    depends on the CPU's bf16 arithmetic: on an Intel without AVX512-BF16 the step-0 grad norm
+    was 5.79 against the reference's 4.05 and the first draw moved it by 0.14 (floor 1.4, a near
+    miss; six draws 0.14-1.3), so one draw failed and the second passed; on an AMD EPYC with
+    AVX512-BF16 the first draw suffices. So the single-draw run is only held to agree with the
+    runner's choice (another draw exactly when one fell short); that a near miss is measured
+    again and a far miss is not is tested on scripted floors in test_noise_slack.py."""
     check, calls = _bf16_dual_clip(monkeypatch, 3)
     assert check.status == PASS, check.message
-    assert calls[:2] == [0, 1]
+    calls = list(calls)          # the next run's wrapper wraps this one's: it would append too
+    one, _ = _bf16_dual_clip(monkeypatch, 1)
+    assert one.status in (PASS, FAIL), one.message
+    if one.status == FAIL:
+        assert "actor/grad_norm" in one.message, one.message
+    assert calls == ([0, 1] if one.status == FAIL else [0]), (calls, one.message)
 
 
 def test_a_bug_is_not_measured_again(monkeypatch):
