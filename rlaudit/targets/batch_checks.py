@@ -172,6 +172,51 @@ def equal_count(env: StageEnv) -> CheckResult:
         "layouts give every rank the same count")
 
 
+@stage_check("make_microbatches", "within-token-budget", "metamorphic")
+def within_token_budget(env: StageEnv) -> CheckResult:
+    """Under a token budget of B tokens per micro-batch, a rank whose rows hold T tokens gets at
+    least ceil(T / B) micro-batches: fewer, and some micro-batch holds more than B (pigeonhole).
+    T counts what the model processes for each row, prompt and response tokens alike (verl's
+    ``ppo_max_token_len_per_gpu`` sums the attention mask, SkyRL's token iterator too), taken
+    from the batch for every row a rank's micro-batches hold. Only the lower bound is held: a
+    balanced partition into ceil(T / B) micro-batches (verl 0.7) may put more than B into one.
+    A rank holding a row longer than B alone is left out (verl asserts that away); layouts by
+    count are not this check's."""
+    t = env.tally("make_microbatches:within-token-budget")
+    for batch in env.setting("microbatch_inputs", None) or [microbatch_input()]:
+        seq = batch.sequence_lengths().tolist()
+        where = {_row_key(batch.tensors, i): seq[i] for i in range(len(batch))}
+        for dp, mbs, budget, extra in env.setting("layouts", LAYOUTS):
+            if budget is None:
+                continue
+            label = _layout_label(dp, mbs, budget, extra)
+            attempt(t, label, lambda: _enough_micro(
+                t, label, where, budget, _cut(env, batch, dp, mbs, budget, extra)))
+    return t.result("token-budget layouts give every rank enough micro-batches")
+
+
+def _enough_micro(t: Tally, label: str, where: dict, budget: int, ranks) -> None:
+    """Each rank's micro-batch count against ceil(its rows' tokens / budget); ``where``: row key
+    -> the row's prompt + response length in the batch."""
+    for r, micros in enumerate(ranks):
+        held = []
+        for mb in micros:
+            if not all(f in mb for f in _KEY_FIELDS + ("response_mask",)):
+                continue
+            for i in range(mb["response_mask"].shape[0]):
+                key = _row_key(mb, i)
+                if key in where and bool(mb["response_mask"][i].any()):
+                    held.append(where[key])
+        if not held or max(held) > budget:
+            continue
+        t.checked += 1
+        need = -(-sum(held) // budget)
+        if len(micros) < need:
+            t.fail(f"{label}: rank {r} has {len(micros)} micro-batch(es) for {sum(held)} "
+                   f"tokens (prompt + response) under a budget of {budget} per micro-batch: "
+                   f"at least {need} needed (are the prompt tokens left out of the count?)")
+
+
 def _signature(mb: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
     """field -> (dtype, number of dims, trailing shape past [rows, width])."""
     return {k: (v.dtype, v.dim(), tuple(v.shape[2:])) for k, v in mb.items()
@@ -187,8 +232,9 @@ def _is_padding(mb: Mapping[str, torch.Tensor]) -> bool:
 def padding_complete(env: StageEnv) -> CheckResult:
     """Every micro-batch of a layout — padding ones (response mask all False) included — carries
     every field of the trainer's own real micro-batches of that layout, with the same dtype,
-    number of dimensions and trailing shape (extra placeholder fields are harmless) (SkyRL PR #1811: padding built from a hard-coded key
-    list dropped ``rollout_log_probs`` and the loss raised inside the distributed backward).
+    number of dimensions and trailing shape (extra placeholder fields are harmless) (SkyRL PR
+    #1811: padding built from a hard-coded key list dropped ``rollout_log_probs`` and the loss
+    raised inside the distributed backward).
     The comparison is with the trainer's real micro-batches, not with rlaudit's field list: a
     trainer need not carry fields it never uses, but its padding must look like its data."""
     def body(t, batch, label, dp, ranks):

@@ -382,7 +382,10 @@ def microbatch_draws(draw, *, tokens: bool = True):
     rows = dp * draw(st.integers(1, 4))
     group_of_row, uids, lengths, width, mask = draw(geometry(rows=rows, max_width=6))
     prompt_width = draw(st.integers(1, 5))
-    prompt_lengths = [draw(st.integers(1, prompt_width)) for _ in range(rows)]
+    # full-width prompts as often as shorter ones: rows long in their prompt are where a token
+    # budget that counts only part of a row shows
+    prompt_lengths = [draw(st.one_of(st.just(prompt_width), st.integers(1, prompt_width)))
+                      for _ in range(rows)]
     batch = recognisable_batch(group_of_row=group_of_row, uids=uids,
                                prompt_lengths=prompt_lengths, response_lengths=lengths,
                                mask=mask, prompt_width=prompt_width,
@@ -391,9 +394,11 @@ def microbatch_draws(draw, *, tokens: bool = True):
     if tokens and draw(st.booleans()):
         # at least the padded width P + R: verl asserts max_token_len >= the padded sequence
         # length (seqlen_balancing.prepare_dynamic_batch), a precondition, not a bug
-        # up to twice that: a budget that fits whole shards never needs padding micro-batches
-        layout = (dp, None, prompt_width + width + draw(st.integers(0, prompt_width + width)),
-                  extra)
+        # up to twice that: a budget that fits whole shards never needs padding micro-batches;
+        # half the draws exactly the padded width, the tightest budget, where a cutter counting
+        # part of each row (the response only) overfills a micro-batch most often
+        slack = draw(st.one_of(st.just(0), st.integers(1, prompt_width + width)))
+        layout = (dp, None, prompt_width + width + slack, extra)
     else:
         layout = (dp, draw(st.integers(1, 4)), None, extra)
     return Draw((), {"microbatch_inputs": (batch,), "layouts": (layout,)})

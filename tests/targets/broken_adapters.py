@@ -16,7 +16,8 @@ from examples.toy_trainer import trainer as toy
 from examples.toy_trainer.adapter import ToyAdapter
 from rlaudit.algo.kl import kl_penalty as kl_estimate
 from rlaudit.algo.policy_loss import compute_policy_loss
-from rlaudit.data.batching import is_padding_microbatch
+from rlaudit.data.batching import (is_padding_microbatch, pad_microbatch_list,
+                                   plan_microbatches_by_tokens, shard_for_dp, take)
 from rlaudit.targets.reference import ReferenceAdapter
 
 
@@ -533,3 +534,23 @@ class OnlyAdvantages:
     def compute_advantages(self, **kw):
         return ReferenceAdapter().compute_advantages(**kw)
 
+
+
+class BudgetWithoutPrompt(ReferenceAdapter):
+    """A token-budget cutter that counts only response tokens against ``max_token_len`` (the
+    prompt left out), so its micro-batches hold more than the budget (a sixth blind audit's
+    miss)."""
+
+    name = "budget-without-prompt"
+
+    def make_microbatches(self, batch, *, dp_size, micro_batch_size=None, max_token_len=None,
+                          extra_padding=0):
+        if max_token_len is None:
+            return super().make_microbatches(batch, dp_size=dp_size,
+                                             micro_batch_size=micro_batch_size,
+                                             extra_padding=extra_padding)
+        shards = shard_for_dp(batch, dp_size)
+        per_rank = [take(s, plan_microbatches_by_tokens(s["response_lengths"], max_token_len))
+                    for s in shards]
+        target = max(len(m) for m in per_rank) + extra_padding
+        return [pad_microbatch_list(m, target, s) for m, s in zip(per_rank, shards)]

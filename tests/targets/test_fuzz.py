@@ -43,6 +43,7 @@ STAGE_BUGS = [
     (broken.MetricsViewBuffer, "policy_loss:metrics-are-copies"),
     (broken.FilterMisalignsScores, "filter_groups:rows-aligned"),
     (broken.NoPaddingToy, "make_microbatches:equal-count-per-rank"),
+    (broken.BudgetWithoutPrompt, "make_microbatches:within-token-budget"),
 ]
 FAST = 8
 

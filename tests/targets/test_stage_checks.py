@@ -87,6 +87,12 @@ CAUGHT = [
     # batch's width, where ignoring norm_len could not show)
     (broken.NormLenFromWidth, ["agg_loss"], ["agg_loss:global-split"],
      ["agg_loss:parity", "agg_loss:no-mutation"]),
+    # a token budget counting the response only (the sixth blind audit's miss): every row is
+    # still cut once, ranks still even, only the micro-batches too full
+    (broken.BudgetWithoutPrompt, ["make_microbatches"],
+     ["make_microbatches:within-token-budget"],
+     ["make_microbatches:tokens-exactly-once", "make_microbatches:equal-count-per-rank",
+      "make_microbatches:padding-complete", "make_microbatches:loss-sums-to-batch"]),
 ]
 
 
