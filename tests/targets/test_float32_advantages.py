@@ -133,10 +133,10 @@ def _bf16_dual_clip(monkeypatch, draws):
 def test_a_correct_bf16_trainer_on_ppo_dual_clip_is_green_within_the_draws(monkeypatch):
     """A correct bf16 trainer on ppo_dual_clip, where dual-clipped ratios amplify bf16 rounding:
     green with the draws of the perturbed replay the runner measures. What one draw does
-    depends on the CPU's bf16 arithmetic: on an Intel without AVX512-BF16 the step-0 grad norm
-    was 5.79 against the reference's 4.05 and the first draw moved it by 0.14 (floor 1.4, a near
-    miss; six draws 0.14-1.3), so one draw failed and the second passed; on an AMD EPYC with
-    AVX512-BF16 the first draw suffices. So the single-draw run is only held to agree with the
+    depends on the CPU's bf16 arithmetic: on the machines of earlier sessions (and CI) the
+    step-0 grad norm was 5.79 against the reference's 4.05 and the first draw moved it by 0.14
+    (floor 1.4, a near miss; six draws 0.14-1.3), so one draw failed and the second passed; on
+    an AMD EPYC with AVX512-BF16 the first draw suffices. So the single-draw run is only held to agree with the
     runner's choice (another draw exactly when one fell short); that a near miss is measured
     again and a far miss is not is tested on scripted floors in test_noise_slack.py."""
     check, calls = _bf16_dual_clip(monkeypatch, 3)
