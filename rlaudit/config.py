@@ -135,6 +135,10 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    kl_loss_weight: Literal["none", "ratio"] = "none"
+    """What the KL loss term is multiplied by per token: nothing (verl, rlaudit), or the
+    differentiable importance ratio pi / pi_old at the loss's level (TRL's default
+    use_bias_correction_kl: rlaudit.algo.kl.importance_ratio; a declarable convention)."""
     ppo_mini_batch_size: int = 4
     """Prompts per optimizer step (multiplied by rollout.n, as in verl)."""
     ppo_micro_batch_size_per_gpu: int = 2

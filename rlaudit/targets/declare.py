@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
-from rlaudit.algo.kl import K3_CLAMPS
+from rlaudit.algo.kl import K3_CLAMPS, KL_LOSS_WEIGHTS
 from rlaudit.errors import InputError
 from rlaudit.scenarios.spec import Tolerance
 
@@ -108,6 +108,11 @@ CONVENTIONS: dict[str, Convention] = {
         "algorithm.k3_clamp", K3_CLAMPS,
         "k3 / low_var_kl clamps its per-token value at 10 (verl, rlaudit) or not at all (TRL's "
         "beta term, textbook k3); both keep the +-20 log-ratio clamp against overflow"),
+    "kl_loss_weight": Convention(
+        "actor.kl_loss_weight", KL_LOSS_WEIGHTS,
+        "the actor's KL loss term is the estimator per token (verl, rlaudit), or the estimator "
+        "times the differentiable importance ratio pi / pi_old (TRL's default "
+        "use_bias_correction_kl: the unbiased reverse-KL gradient)"),
     "gspo_gradient": Convention(
         "actor.gspo_gradient", ("per-token", "sequence"),
         "GSPO's ratio is differentiated per token (GSPO-token: verl, rlaudit) or through the "

@@ -18,7 +18,7 @@ import torch
 
 from rlaudit.algo.agg import Denominators, agg_loss
 from rlaudit.algo.distill import DISTILL_LOSSES
-from rlaudit.algo.kl import kl_penalty
+from rlaudit.algo.kl import importance_ratio, kl_penalty
 from rlaudit.algo.policy_loss import compute_policy_loss
 from rlaudit.algo.rollout_corr import rollout_kl_loss_mat
 from rlaudit.config import Config
@@ -92,9 +92,11 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
                       -act.entropy_coeff if act.entropy_coeff != 0 else None))
     if act.use_kl_loss:
         ref = torch.where(mask, micro["ref_log_probs"], logp.detach())  # no NaN/inf from padding
-        terms.append(("actor/kl_loss", kl_penalty(logp, ref, act.kl_loss_type,
-                                                  k3_clamp=cfg.algorithm.k3_clamp),
-                      act.kl_loss_coef))
+        kl = kl_penalty(logp, ref, act.kl_loss_type, k3_clamp=cfg.algorithm.k3_clamp)
+        if act.kl_loss_weight == "ratio":
+            kl = kl * importance_ratio(logp, micro["old_log_probs"], mask,
+                                       sequence=act.loss_mode == "gspo")
+        terms.append(("actor/kl_loss", kl, act.kl_loss_coef))
     rc = act.rollout_correction
     if rc.use_rollout_kl_loss:
         terms.append(("actor/rollout_kl", rollout_kl_loss_mat(

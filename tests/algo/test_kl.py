@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlaudit.algo.kl import KL_ESTIMATORS, kl_penalty
+from rlaudit.algo.kl import KL_ESTIMATORS, importance_ratio, kl_penalty
 from rlaudit.errors import InputError, UnknownNameError
 
 F64 = torch.float64
@@ -161,3 +161,42 @@ def test_k3_without_its_value_clamp():
                            kl_penalty(logp, ref, kind))
     with pytest.raises(InputError, match="k3_clamp"):
         kl_penalty(logp, ref, "k3", k3_clamp="value-20")
+
+
+# ---- the KL term times the importance ratio (kl_loss_weight="ratio", TRL's bias correction) ----
+
+def test_importance_ratio_token_level_hand_worked():
+    """Two valid tokens and a masked one (NaN there must not leak). k3 times the ratio: the value
+    is ratio * k3 and the gradient w.r.t. logp is ratio * (logp - ref), worked by hand:
+    d/dx [e^(x-o) (e^(r-x) - (r-x) - 1)] = e^(x-o) (k3 + 1 - e^(r-x)) = e^(x-o) (x - r)."""
+    x = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0, float("nan")]], dtype=torch.float64)
+    ref = torch.tensor([[-1.2, -1.0, -0.5]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False]])
+    w = importance_ratio(x, old, mask)
+    assert w.detach()[0].tolist() == pytest.approx([math.exp(0.5), 1.0, 1.0], rel=1e-15)
+    term = kl_penalty(x, ref, "k3", k3_clamp="none") * w
+    k3 = [math.exp(-0.2) + 0.2 - 1, math.exp(1.0) - 1.0 - 1]
+    assert term[0, :2].tolist() == pytest.approx([math.exp(0.5) * k3[0], k3[1]], rel=1e-14)
+    (term * mask).sum().backward()
+    assert x.grad[0].tolist() == pytest.approx([math.exp(0.5) * 0.2, -1.0, 0.0], rel=1e-14)
+
+
+def test_importance_ratio_sequence_level_hand_worked():
+    """GSPO's level: every valid token of a row gets exp of the row's mean log-ratio, and the
+    gradient flows through that mean. Row 0: log-ratios 0.4 and -0.2 -> s = e^0.1 on both;
+    d/dx_j sum_t s * c_t = s * (c_0 + c_1) / 2 for constant c. Row 1 has no valid token: 1."""
+    x = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.4, -1.8], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [False, False]])
+    w = importance_ratio(x, old, mask, sequence=True)
+    s = math.exp(0.1)
+    assert w.detach().flatten().tolist() == pytest.approx([s, s, 1.0, 1.0], rel=1e-14)
+    c = torch.tensor([[3.0, 5.0], [7.0, 11.0]], dtype=torch.float64)
+    (w * c * mask).sum().backward()
+    assert x.grad.flatten().tolist() == pytest.approx([s * 4.0, s * 4.0, 0.0, 0.0], rel=1e-14)
+
+
+def test_importance_ratio_rejects_mismatched_shapes():
+    with pytest.raises(InputError, match="one shape"):
+        importance_ratio(torch.zeros(2, 3), torch.zeros(2, 2), torch.ones(2, 3, dtype=torch.bool))

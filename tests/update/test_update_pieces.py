@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -161,3 +162,51 @@ def test_metric_accumulator_microbatch_means_skip_padding():
     acc.add_step({"actor/grad_norm": 4.0})
     # (1 + 3 + 8) / 3 micro-batches; grad_norm per optimizer step: (2 + 4) / 2
     assert acc.mean() == {"actor/pg_loss": 4.0, "actor/grad_norm": 3.0}
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
+def test_kl_loss_weighted_by_the_ratio(loss_mode):
+    """kl_loss_weight="ratio": on-policy the KL term's value is the unweighted one (ratio 1) but
+    its gradient is not: with k3 each token's gradient becomes ratio * (logp - ref) (vanilla,
+    worked by hand in tests/algo/test_kl.py) where unweighted it is 1 - e^(ref - logp). Off
+    policy the value is the token-mean of ratio * k3, computed here from the formula."""
+    batch, lp, adv, _ = _random_batch(11)
+    g = torch.Generator().manual_seed(3)
+    ref = lp - torch.rand(lp.shape, generator=g, dtype=torch.float64)
+    batch = batch.with_fields(ref_log_probs=ref)
+    mask = batch.mask
+    denom = Denominators.of(mask)
+
+    def run(weight, x):
+        cfg = load_config({"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl",
+                                     "kl_loss_coef": 1.0, "kl_loss_weight": weight,
+                                     "loss_mode": loss_mode},
+                           "algorithm": {"k3_clamp": "none"}})
+        x = x.clone().requires_grad_(True)
+        _, stats = actor_loss(batch, {"log_probs": x}, cfg=cfg, denom=denom)
+        stats["actor/kl_loss"].backward()
+        return float(stats["actor/kl_loss"].detach()), x.grad
+
+    on_none, g_none = run("none", lp)
+    on_ratio, g_ratio = run("ratio", lp)
+    assert on_ratio == pytest.approx(on_none, rel=1e-14)
+    n = float(mask.sum())
+    want_none = torch.where(mask, 1 - torch.exp(ref - lp), 0.0) / n
+    assert torch.allclose(g_none, want_none, rtol=1e-12, atol=1e-15)
+    k3 = torch.where(mask, torch.exp(ref - lp) - (ref - lp) - 1, 0.0)
+    if loss_mode == "vanilla":      # d(ratio) = ratio d logp: k3 + 1 - e^(ref - logp) = logp - ref
+        want = torch.where(mask, lp - ref, 0.0) / n
+    else:   # the row's ratio moves with every token of the row by 1 / n_i: the row's mean k3
+        row_mean = k3.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        want = torch.where(mask, row_mean + 1 - torch.exp(ref - lp), 0.0) / n
+    assert torch.allclose(g_ratio, want, rtol=1e-12, atol=1e-15)
+    assert not torch.allclose(g_ratio, g_none)
+    # off policy: old log-probs 0.3 lower on every token -> ratio e^0.3 (token level) and the
+    # same for every row's mean (sequence level): the value is e^0.3 times the unweighted
+    shifted = batch.with_fields(old_log_probs=lp - 0.3)
+    cfg = load_config({"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl",
+                                 "kl_loss_coef": 1.0, "kl_loss_weight": "ratio",
+                                 "loss_mode": loss_mode}, "algorithm": {"k3_clamp": "none"}})
+    _, stats = actor_loss(shifted, {"log_probs": lp}, cfg=cfg, denom=denom)
+    want = float(k3.sum()) / n * math.exp(0.3)
+    assert float(stats["actor/kl_loss"]) == pytest.approx(want, rel=1e-12)

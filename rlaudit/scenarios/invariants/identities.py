@@ -187,7 +187,8 @@ def config_effect(ctx: CheckContext):
             problems.append("use_kl_loss: actor/kl_loss not logged")
         else:
             term = _term_in_loss(runs[3], "actor/kl_loss", ctx, "cfg:kl", lambda t, c: naive_kl(
-                t["probe_log_probs"], t["ref_log_probs"], c.actor.kl_loss_type))
+                t["probe_log_probs"], t["ref_log_probs"], c.actor.kl_loss_type,
+                k3_clamp=c.algorithm.k3_clamp))
             if term is None:
                 unchecked.append("kl_loss_coef")
             elif not scn.tol("actor/loss").close(k["actor/loss"], k0["actor/loss"] + 0.5 * term):

@@ -42,10 +42,11 @@ def naive_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return naive_agg(x, mask, "token-mean")
 
 
-def naive_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str
-             ) -> torch.Tensor | None:
+def naive_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str, *,
+             k3_clamp: str = "value-10") -> torch.Tensor | None:
     """Per-token KL estimate by a loop over elements for k1/kl, abs, k2/mse and k3/low_var_kl
-    (log-ratio clamped to [-20, 20], value to [-10, 10], as verl); None for other kinds."""
+    (log-ratio clamped to [-20, 20], value to [-10, 10] as verl unless ``k3_clamp`` is "none");
+    None for other kinds."""
     def one(lp: float, ref: float) -> float:
         d = lp - ref
         if kind in ("k1", "kl"):
@@ -55,7 +56,8 @@ def naive_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str
         if kind in ("k2", "mse"):
             return 0.5 * d * d
         r = min(max(ref - lp, -20.0), 20.0)
-        return min(max(math.exp(r) - r - 1.0, -10.0), 10.0)
+        k3 = math.exp(r) - r - 1.0
+        return k3 if k3_clamp == "none" else min(max(k3, -10.0), 10.0)
 
     if kind not in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"):
         return None

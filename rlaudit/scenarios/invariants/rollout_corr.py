@@ -114,7 +114,8 @@ def rollout_correction(ctx: CheckContext):
                                                   cfg.actor.loss_scale_factor)
             if cfg.actor.rollout_correction.use_rollout_kl_loss:
                 kind = cfg.actor.rollout_correction.rollout_kl_loss_type
-                mat = naive_kl(old.double(), rollout.double(), kind)
+                mat = naive_kl(old.double(), rollout.double(), kind,
+                               k3_clamp=cfg.algorithm.k3_clamp)
                 if mat is not None:
                     want["actor/rollout_kl"] = naive_agg(mat, mask, cfg.actor.loss_agg_mode,
                                                          cfg.actor.loss_scale_factor)

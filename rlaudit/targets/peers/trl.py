@@ -80,6 +80,10 @@ def metric_map(config) -> dict[str, str]:
     if not a.use_kl_loss and a.entropy_coeff == 0:
         # TRL's loss is then its policy loss alone (no KL or entropy term added)
         m["loss@pg"] = "actor/pg_loss"
+    if a.use_kl_loss and a.loss_agg_mode == "token-mean":
+        # its per_token_kl (k3 x the importance ratio) as each micro-batch's token mean: the
+        # term beta multiplies, which the reference computes under trl-kl-bias-corrected-k3
+        m["kl"] = "actor/kl_loss"
     return m
 
 
@@ -113,6 +117,7 @@ def trl_config_kwargs(config, rows: int, response_width: int, output_dir: str, s
         # verl's dual clip of negative advantages (rlaudit's GSPO has none)
         delta=a.clip_ratio_c if a.loss_mode == "vanilla" else None,
         beta=a.kl_loss_coef if a.use_kl_loss else 0.0,
+        use_bias_correction_kl=True,    # TRL's default, said here: a convention below
         scale_rewards="group" if (alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo)
         else "none",
         entropy_coef=a.entropy_coeff,
@@ -258,15 +263,17 @@ class TRLAdapter(TargetAdapter):
             f"loss_agg_mode {a.loss_agg_mode}": a.loss_agg_mode not in LOSS_TYPES,
             "seq-mean-token-sum only with loss_mode gspo (TRL's luspo)":
                 a.loss_agg_mode == "seq-mean-token-sum" and a.loss_mode != "gspo",
-            # TRL's KL term (beta) is k3 = exp(ref - logp) - (ref - logp) - 1 without verl's and
-            # rlaudit's clamps (log-ratio at +-20, value at 10: the value clamp is the k3_clamp
-            # convention), times the differentiable importance ratio by default
-            # (use_bias_correction_kl), which no reference convention computes; with it TRL's
-            # logged loss is no longer the policy loss alone, and with beta = 0 TRL computes no
-            # KL at all
-            f"use_kl_loss (TRL's KL term is k3 without the clamp of its value at 10, times the "
-            f"importance ratio by default (use_bias_correction_kl): {kl_link(self.version)})":
-                a.use_kl_loss,
+            # TRL's KL term (beta) is k3 = exp(ref - logp) - (ref - logp) - 1 times the
+            # differentiable importance ratio (use_bias_correction_kl), computed by the reference
+            # under the conventions of trl-kl-bias-corrected-k3; TRL has no other estimator,
+            # computes no KL at all with beta = 0, and logs its KL only as a token mean
+            f"use_kl_loss with kl_loss_type {a.kl_loss_type} (TRL's beta term is k3: "
+            f"{kl_link(self.version)})":
+                a.use_kl_loss and _canonical_kl(a.kl_loss_type) != "k3",
+            "use_kl_loss with kl_loss_coef 0 (TRL's beta = 0 computes and logs no KL)":
+                a.use_kl_loss and a.kl_loss_coef == 0,
+            "use_kl_loss unless token-mean (TRL logs its KL term only as micro-batch token means)":
+                a.use_kl_loss and a.loss_agg_mode != "token-mean",
             "KL in reward": alg.use_kl_in_reward,
             "rollout correction (TRL applies it only with use_vllm=True)":
                 rc.rollout_is is not None or rc.use_rollout_kl_loss,
@@ -435,6 +442,12 @@ CONVENTIONS = (
      "batch's trained tokens) x gradient_accumulation_steps / steps_per_generation: the batch's "
      "tokens / its mini-batches, not the optimizer step's own token count",
      "dapo", {"token_denominator": "batch-mean"}),
+    ("trl-kl-bias-corrected-k3",
+     "beta > 0 adds beta x k3 per token before the loss aggregation, k3 = exp(ref - logp) - "
+     "(ref - logp) - 1 without a clamp of its value, multiplied by the differentiable importance "
+     "ratio (use_bias_correction_kl, TRL's default: DeepSeek-V3.2's unbiased reverse-KL "
+     "gradient; at the sequence level for GSPO)",
+     "kl", {"k3_clamp": "none", "kl_loss_weight": "ratio"}),
     ("trl-gspo-sequence-gradient",
      "importance_sampling_level='sequence' (GSPO) takes exp of the sequence's mean log-ratio "
      "and differentiates through that mean (GSPO's sequence-level objective), not per token "
@@ -455,6 +468,12 @@ DIFFERENCES = (
      "compared per token: TrainStepOutput.entropy)",
      "metric", ("backend-parity",),
      ("metric actor/entropy missing", "only in one run ['actor/entropy']")),
+    ("trl-no-policy-loss-with-kl",
+     "with beta > 0 TRL's loss is the policy loss plus beta x its KL term and TRL logs no "
+     "policy loss of its own, so the adapter reports no actor/pg_loss where use_kl_loss is on "
+     "(actor/loss and actor/kl_loss are compared there)",
+     "kl", ("backend-parity",),
+     ("metric actor/pg_loss missing", "only in one run ['actor/pg_loss']")),
 )
 
 
@@ -469,6 +488,15 @@ def declared_differences(version: str) -> tuple:
                  for name, reason, key, convention in CONVENTIONS) + tuple(
         Difference(name, reason=reason, link=at.format(lines[key]), checks=checks, cases=cases)
         for name, reason, key, checks, cases in DIFFERENCES)
+
+
+def _canonical_kl(name: str) -> str:
+    from rlaudit.algo.kl import KL_ESTIMATORS
+    from rlaudit.errors import UnknownNameError
+    try:
+        return KL_ESTIMATORS.canonical(name)
+    except UnknownNameError:  # not TRL's k3 (the config's own check names it)
+        return name
 
 
 def kl_link(version: str) -> str:

@@ -10,6 +10,7 @@ monkeypatching TRL, never by editing it) must each be caught by a named invarian
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -119,17 +120,45 @@ def test_builtin_scenario_no_undeclared_failure():
     for name in ("rollout-parity", "no-input-mutation", "on-policy-identities",
                  "entropy-logged-when-coeff-zero", "row-permutation", "microbatch-invariance",
                  "grad-norm-identity", "masked-values", "padding-appended", "sanity-bounds",
-                 "ppo-epochs-identity"):
+                 "ppo-epochs-identity",
+                 # TRL's beta term (k3 x the importance ratio) descends the KL, two epochs
+                 "kl-loss-direction"):
         assert _status(mine, name) == {"pass"}, name
     # grpo / dr_grpo loss types (cfg:agg variants, an empty completion) agree strictly under
-    # seq_count = all-rows; TRL has no seq-mean entropy to report there
-    _differs_only_as(mine, "backend-parity", "trl-entropy-logged-as-token-mean")
+    # seq_count = all-rows; TRL has no seq-mean entropy to report there, and no policy loss of
+    # its own with beta > 0 (its loss, KL, grad norm and parameters agree in the KL variants)
+    _differs_only_as(mine, "backend-parity", "trl-entropy-logged-as-token-mean",
+                     "trl-no-policy-loss-with-kl")
     # n/a, each with its reason
     why = {c.invariant: c.message for c in mine if c.status == "n/a"}
-    assert "entropy bonus" in why["config-effect"] and "KL term" in why["config-effect"]
+    assert "entropy bonus" in why["config-effect"] and "kl_loss_coef 0" in why["config-effect"]
     assert "KL in reward" in why["stored-kl-unaltered"]
     assert "use_dynamic_bsz" in why["batch-invariance"]
-    assert "KL term" in why["kl-loss-direction"]
+
+
+def test_kl_term_agrees_only_under_its_declared_conventions():
+    """TRL's beta term is k3 (no value clamp) times the differentiable importance ratio. The
+    reference computing it without the ratio (rlaudit's own convention) fails backend-parity in
+    the KL variants: on-policy the two have equal values but not equal gradients, and the
+    second epoch's ratio is not 1 (docs/peers.md, "TRL")."""
+    class WithoutRatio(trl_peer.TRLAdapter):
+        name = "trl"
+
+        def __init__(self):
+            super().__init__()
+            self.differences = tuple(
+                dataclasses.replace(d, convention={k: v for k, v in d.convention.items()
+                                                   if k != "kl_loss_weight"})
+                if d.convention and "kl_loss_weight" in d.convention else d
+                for d in self.differences)
+
+    checks = _run(WithoutRatio(), invariants=["backend-parity", "kl-loss-direction"])
+    assert _status(checks, "backend-parity") == {"fail"}
+    problems = [f["message"] for c in checks if c.invariant == "backend-parity"
+                for f in c.details.get("failures", []) if isinstance(f, dict)]
+    undeclared = [p for p in problems if "actor/pg_loss" not in p]
+    assert undeclared and all("kl:descent" in p for p in undeclared), undeclared
+    assert _params_differ(checks)
 
 
 # ---- three bugs injected into TRL's loss path, one at a time ------------------------------------
