@@ -33,7 +33,8 @@ from rlaudit.metrics import golden_names
 from rlaudit.scenarios.engine import build_variants, check_sampling_matches
 from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
 from rlaudit.scenarios.invariants.parity import ORACLE
-from rlaudit.scenarios.invariants.compare import NEAR_MISS, compare_runs, near_misses, widest
+from rlaudit.scenarios.invariants.compare import (NEAR_MISS, compare_runs, moved_onto,
+                                                  near_misses, widest)
 from rlaudit.scenarios.invariants.metamorphic import cut_invariant_metrics
 from rlaudit.scenarios.invariants.base import with_overrides
 from rlaudit.scenarios.result import (DIFFERS, ERROR, FAIL, NA, PASS, CheckResult,
@@ -244,11 +245,18 @@ def attach_noise_floor(runs: dict, scn: Scenario, variants, noise: float, *,
                             layout={}, dtype=scn.dtype, device=scn.device, weight_noise=noise,
                             noise_draw=draw)
     noisy = get_backend(ORACLE).replay(request)
-    for backend_runs in runs.values():
+    oracle = runs.get(ORACLE, {})
+    for backend, backend_runs in runs.items():
         for name, run in backend_runs.items():
-            if name in noisy:
-                run.noise = (noisy[name] if run.noise is None or draw == 0
-                             else widest(run, run.noise, noisy[name]))
+            if name not in noisy:
+                continue
+            # another backend's run gets the reference's spread around its own values: a
+            # comparison of two of its runs then allows rounding, not its distance from the
+            # reference (compare.moved_onto)
+            fresh = (moved_onto(noisy[name], oracle[name], run)
+                     if backend != ORACLE and name in oracle else noisy[name])
+            run.noise = (fresh if run.noise is None or draw == 0
+                         else widest(run, run.noise, fresh))
 
 
 def apply_differences(results: list[CheckResult], target: str, decl: Declarations

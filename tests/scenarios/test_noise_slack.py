@@ -203,3 +203,26 @@ def test_a_failure_no_floor_bounds_is_not_measured_again():
     out = with_noise_floor([CheckResult("x", "t", FAIL, "raised")],
                            lambda: [CheckResult("x", "t", FAIL, "raised")], drawn.append)
     assert [r.status for r in out] == [FAIL] and drawn == [0]
+
+
+def test_moved_onto_lays_the_reference_spread_on_another_run():
+    """The reference moved by the perturbation (0.40 -> 0.43, token 2.0 -> 1.5, a parameter 1.0
+    -> 1.25) gives another backend's run (0.50, token 3.0, parameter 5.0) the same distances:
+    0.53, 3.5, 5.25; a metric the reference lacks gets none; comparing that backend's run with
+    itself moved by 0.02 passes (bound 1e-5 + 5e-5 + 10 * 0.06 * 0.5), by 0.5 does not."""
+    from rlaudit.scenarios.invariants.compare import moved_onto
+    ref, noisy, onto = _run(), _run(**{"actor/pg_loss": 0.43}), _run(**{"actor/pg_loss": 0.50})
+    onto.steps[0]["actor/only_here"] = 1.0
+    ref.tokens = {"old_log_probs": torch.tensor([[2.0]], dtype=torch.float64)}
+    noisy.tokens = {"old_log_probs": torch.tensor([[1.5]], dtype=torch.float64)}
+    onto.tokens = {"old_log_probs": torch.tensor([[3.0]], dtype=torch.float64)}
+    ref.params, noisy.params = [torch.tensor([1.0])], [torch.tensor([1.25])]
+    onto.params = [torch.tensor([5.0])]
+    moved = moved_onto(noisy, ref, onto)
+    assert moved.steps[0]["actor/pg_loss"] == pytest.approx(0.53)
+    assert moved.steps[0]["actor/entropy"] == 1.5 and "actor/only_here" not in moved.steps[0]
+    assert moved.tokens["old_log_probs"].tolist() == [[3.5]]
+    assert moved.params[0].tolist() == [5.25]
+    onto.noise = moved
+    assert _compare(_run(**{"actor/pg_loss": 0.52}), onto).ok
+    assert not _compare(_run(**{"actor/pg_loss": 1.0}), onto).ok

@@ -303,6 +303,19 @@ class _PostClipGradNorm(toy.ToyTrainer):
             [p.grad for p in self.model.parameters() if p.grad is not None]))
 
 
+class _ClipsEachMicroBatch(toy.ToyTrainer):
+    """Gradient clipping inside the micro-batch loop: each backward's accumulated gradient is
+    clipped, and the last clip's norm is logged (a seventh blind audit's bug #1)."""
+
+    def micro_step(self, mb, counts, with_entropy):
+        stats = super().micro_step(mb, counts, with_entropy)
+        self._last_norm = toy.ToyTrainer.clip_gradients(self)
+        return stats
+
+    def clip_gradients(self):
+        return self._last_norm
+
+
 class _PerMicroMean(toy.ToyTrainer):
     def normaliser(self, mini_counts, micro, num_micros):
         """Mean per micro-batch, then averaged over micro-batches (gradient accumulation)."""
@@ -483,6 +496,7 @@ def toy_with(trainer_class, name: str) -> type:
 EntropyNotLogged = toy_with(_EntropyOnlyInLoss, "entropy-not-logged")
 GradNormAfterClip = toy_with(_PostClipGradNorm, "grad-norm-after-clip")
 PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
+ClipsEachMicroBatch = toy_with(_ClipsEachMicroBatch, "clips-each-micro-batch")
 MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
 EntropyBonusAsTokenMean = toy_with(_EntropyBonusAsTokenMean, "entropy-bonus-as-token-mean")

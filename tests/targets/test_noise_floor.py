@@ -66,3 +66,25 @@ def test_the_bf16_trainer_needs_the_floor(tiny_model, builtin_rollout, monkeypat
     monkeypatch.setattr(runner, "attach_noise_floor", lambda *a, **k: None)
     checks, _ = _run(BF16Toy(), tiny_model, builtin_rollout, monkeypatch, always=False)
     assert any(b == "toy-bf16" and s == FAIL for _, b, s, _, _ in checks), checks
+
+
+def test_a_metamorphic_relation_gets_the_spread_of_rounding_not_of_the_bug(
+        tiny_model, builtin_rollout, monkeypatch):
+    """A trainer clipping each micro-batch's accumulated gradient (a seventh blind audit's bug
+    #1) runs 1 row per micro-batch and all rows per micro-batch to different results (grad norm
+    13.7 vs 8.4 at step 0). microbatch-invariance compares the trainer with itself, so its floor
+    is the reference's perturbed spread laid onto the trainer's own values
+    (compare.moved_onto): the bug fails it, as it fails backend-parity -- two checks. With the
+    perturbed reference taken as it is, the floor was the trainer's distance from the reference
+    (the bug itself, 0.63 relative, allowed ten times) and microbatch-invariance passed."""
+    invariants = ["microbatch-invariance", "row-permutation"]
+    scn = builtin.scenario(tiny_model, invariants,
+                           ref_model_path=builtin.tiny_model_path(None, "llama"))
+    res = runner.run_target_scenario(broken.ClipsEachMicroBatch(), scn, builtin_rollout,
+                                     invariants=invariants)
+    mine = {c.invariant: c for c in res.checks if c.backend == "clips-each-micro-batch"}
+    assert mine["microbatch-invariance"].status == FAIL, mine["microbatch-invariance"].message
+    # the correct bf16 trainer stays green on the same relations (rounding, not a bug)
+    res = runner.run_target_scenario(BF16Toy(), scn, builtin_rollout, invariants=invariants)
+    assert {c.status for c in res.checks if c.backend == "toy-bf16"} == {PASS}, \
+        [c.message for c in res.checks if c.backend == "toy-bf16"]

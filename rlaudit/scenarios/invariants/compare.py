@@ -292,6 +292,42 @@ def widest(want: VariantRun, a: VariantRun, b: VariantRun) -> VariantRun:
     return dataclasses.replace(a, steps=steps, tokens=tokens, params=params)
 
 
+def moved_onto(noisy: VariantRun, ref: VariantRun, onto: VariantRun) -> VariantRun:
+    """The reference's perturbed replay ``noisy`` of a variant, its distances from the
+    reference's own run ``ref`` of it laid onto another backend's run ``onto`` of the same
+    variant: every metric, per-token entry and parameter element at ``onto``'s value plus
+    ``|noisy - ref|``. A comparison between two runs of that backend (a metamorphic relation,
+    ``onto`` its ``want``) then allows the spread rounding causes -- not ``onto``'s distance from
+    the reference, which a bug makes large (a seventh blind audit: a trainer clipping each
+    micro-batch's gradient passed microbatch-invariance at a relative drift of 1.0, its own 0.63
+    from the reference allowed ten times). What ``onto`` has and the reference's runs lack, or
+    holds in another shape, gets no noise."""
+    def moved(o, n, r):
+        return o.double() + (n.double() - r.double()).abs()
+
+    steps = []
+    for i, so in enumerate(onto.steps):
+        sn = noisy.steps[i] if i < len(noisy.steps) else {}
+        sr = ref.steps[i] if i < len(ref.steps) else {}
+        steps.append({k: v + abs(sn[k] - sr[k]) for k, v in so.items()
+                      if k in sn and k in sr and isinstance(v, (int, float))
+                      and isinstance(sn[k], (int, float)) and isinstance(sr[k], (int, float))})
+    tokens = {}
+    for k, t in onto.tokens.items():
+        n, r = noisy.tokens.get(k), ref.tokens.get(k)
+        if (n is not None and r is not None and t.shape == n.shape == r.shape
+                and t.is_floating_point() and n.is_floating_point()):
+            tokens[k] = moved(t, n, r)
+    params = []
+    for i, p in enumerate(onto.params):
+        n = noisy.params[i] if i < len(noisy.params) else None
+        r = ref.params[i] if i < len(ref.params) else None
+        if n is None or r is None or not p.shape == n.shape == r.shape:
+            break       # a step without a comparable floor ends the list (read per step)
+        params.append(moved(p, n, r))
+    return dataclasses.replace(noisy, steps=steps, tokens=tokens, params=params)
+
+
 def _count_noise(want: dict, noisy: dict) -> float:
     """The spread of one step's counted fractions under the noise perturbation, pooled: the
     largest |noisy - want| over the metrics ``MetricSpec.counted`` marks. Which tokens sit within
