@@ -316,6 +316,23 @@ class _ClipsEachMicroBatch(toy.ToyTrainer):
         return self._last_norm
 
 
+class _IgnoresClipC(toy.ToyTrainer):
+    """The dual-clip bound left at the trainer's own default (3.0) whatever the config says:
+    glue that drops ``clip_ratio_c`` (a seventh blind audit's miss)."""
+
+    def __init__(self, model, cfg, ref_model=None):
+        super().__init__(model, dataclasses.replace(cfg, clip_c=3.0), ref_model)
+
+
+class _IgnoresPenaltyFactor(toy.ToyTrainer):
+    """DAPO's overlong penalty factor left at the trainer's own default (1.0): glue that drops
+    ``penalty_factor`` (a seventh blind audit's miss)."""
+
+    def __init__(self, model, cfg, ref_model=None):
+        super().__init__(model, dataclasses.replace(cfg, overlong_penalty_factor=1.0),
+                         ref_model)
+
+
 class _PerMicroMean(toy.ToyTrainer):
     def normaliser(self, mini_counts, micro, num_micros):
         """Mean per micro-batch, then averaged over micro-batches (gradient accumulation)."""
@@ -497,6 +514,8 @@ EntropyNotLogged = toy_with(_EntropyOnlyInLoss, "entropy-not-logged")
 GradNormAfterClip = toy_with(_PostClipGradNorm, "grad-norm-after-clip")
 PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
 ClipsEachMicroBatch = toy_with(_ClipsEachMicroBatch, "clips-each-micro-batch")
+IgnoresClipC = toy_with(_IgnoresClipC, "ignores-clip-ratio-c")
+IgnoresPenaltyFactor = toy_with(_IgnoresPenaltyFactor, "ignores-penalty-factor")
 MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")
 EntropyBonusAsTokenMean = toy_with(_EntropyBonusAsTokenMean, "entropy-bonus-as-token-mean")
