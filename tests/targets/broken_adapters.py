@@ -333,6 +333,21 @@ class _IgnoresPenaltyFactor(toy.ToyTrainer):
                          ref_model)
 
 
+class _AdvantagesPerMiniBatch(toy.ToyTrainer):
+    """GRPO advantages computed over each mini-batch's rows, as a trainer that computes them
+    after cutting (or per data-parallel shard) does: right only where a mini-batch holds whole
+    groups (a seventh blind audit's bug #11)."""
+
+    def update(self, data):
+        k, n = self.cfg.mini_batch_rows, len(data["index"])
+        rewards, mask, index = (data["token_level_rewards"], data["response_mask"],
+                                data["index"])
+        data["advantages"] = torch.cat([
+            toy.grpo_advantages(rewards[i:i + k], mask[i:i + k], index[i:i + k],
+                                self.cfg.norm_adv_by_std) for i in range(0, n, k)])
+        return super().update(data)
+
+
 class _PerMicroMean(toy.ToyTrainer):
     def normaliser(self, mini_counts, micro, num_micros):
         """Mean per micro-batch, then averaged over micro-batches (gradient accumulation)."""
@@ -515,6 +530,7 @@ GradNormAfterClip = toy_with(_PostClipGradNorm, "grad-norm-after-clip")
 PerMicroMeanTrainer = toy_with(_PerMicroMean, "per-micro-mean")
 ClipsEachMicroBatch = toy_with(_ClipsEachMicroBatch, "clips-each-micro-batch")
 IgnoresClipC = toy_with(_IgnoresClipC, "ignores-clip-ratio-c")
+AdvantagesPerMiniBatch = toy_with(_AdvantagesPerMiniBatch, "advantages-per-mini-batch")
 IgnoresPenaltyFactor = toy_with(_IgnoresPenaltyFactor, "ignores-penalty-factor")
 MetricsReusedBuffer = toy_with(_MetricsInReusedBuffer, "metrics-reused-buffer")
 IgnoresAggModeTrainer = toy_with(_IgnoresAggMode, "ignores-agg-mode")

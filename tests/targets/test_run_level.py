@@ -126,6 +126,11 @@ CAUGHT = [
      ["cp-invariance", "backend-parity"], ["microbatch-invariance"]),
     (broken.CPLossScaledBySize, ["cp-invariance", "backend-parity", "microbatch-invariance"],
      ["cp-invariance", "backend-parity"], ["microbatch-invariance"]),
+    # advantages per mini-batch: right where a mini-batch holds whole groups (the built-in's
+    # base); rows shuffled across mini-batches show it, to row-permutation and to parity
+    (broken.AdvantagesPerMiniBatch, ["row-permutation", "backend-parity",
+                                     "microbatch-invariance"],
+     ["row-permutation", "backend-parity"], ["microbatch-invariance"]),
 ]
 
 

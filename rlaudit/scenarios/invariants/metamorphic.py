@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from rlaudit.metrics import golden_names, spec
 from rlaudit.data.transforms import append_padding, permute_rows_within_blocks, perturb_masked
-from rlaudit.scenarios.invariants.base import CheckContext, base_variant, invariant, result
+from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
+                                               not_applicable, result)
 from rlaudit.scenarios.invariants.compare import compare_runs
 
 
@@ -111,22 +112,56 @@ def batch_invariance(ctx: CheckContext):
 
 # ---- row permutation -------------------------------------------------------------------------
 
+#: per-token values a step derives from the whole batch before any update: they belong to a
+#: row, whichever mini-batch or rank it lands in
+BEFORE_UPDATE = ("advantages", "returns", "token_level_rewards", "kl", "old_log_probs",
+                 "ref_log_probs", "rollout_is_weights")
+ACROSS_SEED = 4321
+
+
 def _perm_variants(scn, batch):
     permuted, perm = permute_rows_within_blocks(batch, _mb_rows(scn, batch), seed=1234)
     v = base_variant(scn, permuted, "permutation", steps=min(scn.steps, 2))
     v.batch = permuted
-    return [_base(scn, batch, "row-permutation"), v]
+    out = [_base(scn, batch, "row-permutation"), v]
+    if _mb_rows(scn, batch) < len(batch):     # several mini-batches: shuffle across them too
+        across, _ = permute_rows_within_blocks(batch, len(batch), seed=ACROSS_SEED)
+        a = base_variant(scn, across, "permutation:across", steps=1)
+        a.batch = across
+        out.append(a)
+    return out
 
 
-@invariant("row-permutation", "metamorphic", variants=_perm_variants)
+@invariant("row-permutation", "metamorphic", variants=_perm_variants, partial=True)
 def row_permutation(ctx: CheckContext):
     """Shuffling rows (within each mini-batch, so optimizer steps see the same rows) permutes
     every per-token output the same way and changes no metric or updated parameter: advantages
-    are grouped by uid, not by position."""
+    are grouped by uid, not by position. With several mini-batches, rows are also shuffled
+    across them (``permutation:across``: each mini-batch then holds rows of other groups) and
+    what a step derives from the whole batch before the update (:data:`BEFORE_UPDATE`:
+    advantages, returns, rewards, KL, old and reference log-probs) is compared row for row: a
+    trainer computing advantages per mini-batch or per rank fails it (a seventh blind audit's
+    trainer was green wherever a mini-batch held whole groups)."""
     scn = ctx.scenario
     _, perm = permute_rows_within_blocks(ctx.batch, _mb_rows(scn, ctx.batch), seed=1234)
-    return _check_against_base(ctx, "row-permutation", "permutation", "rows permuted",
-                               row_map=perm, recut=True)
+    out = _check_against_base(ctx, "row-permutation", "permutation", "rows permuted",
+                              row_map=perm, recut=True)
+    if _mb_rows(scn, ctx.batch) < len(ctx.batch):
+        _, across = permute_rows_within_blocks(ctx.batch, len(ctx.batch), seed=ACROSS_SEED)
+        for b in ctx.backends():
+            runs, na = ctx.need("row-permutation", b, "permutation:across", SHORT_BASE)
+            shared = [] if na else [k for k in BEFORE_UPDATE
+                                    if k in runs[0].tokens and k in runs[1].tokens]
+            if na or not shared:
+                out.append(na or not_applicable("row-permutation", b, "permutation:across: no "
+                                                "per-token value derived before the update "
+                                                "returned"))
+                continue
+            c = compare_runs(scn, runs[0], runs[1], mask=ctx.mask(SHORT_BASE),
+                             row_map=across, metrics=[], params=False, tokens=tuple(shared),
+                             metric_names_equal=False, label="rows shuffled across mini-batches")
+            out.append(result("row-permutation", b, c.ok, c.message, c.details, c.drift))
+    return _merge(out)
 
 
 # ---- padding appended ------------------------------------------------------------------------
