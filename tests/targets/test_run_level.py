@@ -255,6 +255,24 @@ def test_a_kl_term_weighted_by_rollout_is_fails_rollout_is_stale():
     assert c.status == FAIL and "variant base" in c.message, c.message
 
 
+def test_an_ignored_dual_clip_bound_fails_ppo_dual_clip():
+    """ppo_dual_clip sets clip_ratio_c away from its default (2.5, not 3.0): a trainer whose
+    glue drops it (a seventh blind audit's miss while the scenario held the default) logs
+    another loss (step 0: 0.2618 where the reference's is 0.2547); the unmodified toy passes
+    the scenario (test_unmodified_toy_adapter_is_green_on_every_shipped_scenario)."""
+    from rlaudit.config import ActorConfig
+    from rlaudit.scenarios.spec import load_scenario, resolve
+    from rlaudit.targets.runner import run_target
+    root = builtin.tiny_model_path().parents[1]
+    scn = load_scenario(resolve(["ppo_dual_clip"], all_=False, root=str(root))[0])
+    assert scn.config.actor.clip_ratio_c != ActorConfig().clip_ratio_c
+    adapter = broken.IgnoresClipC()
+    (res,) = run_target(adapter, scenario_names=["ppo_dual_clip"], stages=[],
+                        invariants=["backend-parity"], scenarios_dir=root)[1:]
+    (c,) = [c for c in res.checks if c.backend == adapter.name]
+    assert c.status == FAIL and "actor/loss" in c.message, c.message
+
+
 def _no_token_budget(cls):
     """``cls`` refusing token-budget micro-batching (TRL has none)."""
     def supports(self, config):
