@@ -138,7 +138,8 @@ class ActorConfig:
     kl_loss_weight: Literal["none", "ratio"] = "none"
     """What the KL loss term is multiplied by per token: nothing (verl, rlaudit), or the
     differentiable importance ratio pi / pi_old at the loss's level (TRL's default
-    use_bias_correction_kl: rlaudit.algo.kl.importance_ratio; a declarable convention)."""
+    use_bias_correction_kl: rlaudit.algo.policy_loss.importance_ratio; a declarable
+    convention)."""
     ppo_mini_batch_size: int = 4
     """Prompts per optimizer step (multiplied by rollout.n, as in verl)."""
     ppo_micro_batch_size_per_gpu: int = 2

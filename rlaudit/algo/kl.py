@@ -28,7 +28,7 @@ from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
 __all__ = ["KL_ESTIMATORS", "K3_CLAMPS", "DEFAULT_K3_CLAMP", "KL_LOSS_WEIGHTS", "kl_penalty",
-           "k3_of_log_ratio", "importance_ratio"]
+           "k3_of_log_ratio"]
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,7 +48,7 @@ K3_CLAMPS = ("value-10", "none")
 DEFAULT_K3_CLAMP = K3_CLAMPS[0]      # rlaudit's own
 #: what the actor's KL loss term is multiplied by per token (``actor.kl_loss_weight``): nothing
 #: (verl, rlaudit), or the differentiable importance ratio pi / pi_old (TRL's default
-#: ``use_bias_correction_kl``; :func:`importance_ratio`)
+#: ``use_bias_correction_kl``; :func:`rlaudit.algo.policy_loss.importance_ratio`)
 KL_LOSS_WEIGHTS = ("none", "ratio")
 
 
@@ -141,32 +141,3 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str, *,
                          f"{tuple(log_prob.shape)}", key="ref_log_prob")
     return fn(log_prob, ref_log_prob)
 
-
-def importance_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor, *,
-                     sequence: bool = False) -> torch.Tensor:
-    """The importance ratio ``pi / pi_old`` a KL loss term is multiplied by under
-    ``kl_loss_weight="ratio"`` (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2): differentiable,
-    so with k3 each token's gradient becomes ``ratio * (logp - ref) * d logp``, the unbiased
-    gradient of the reverse KL when tokens were sampled from pi_old -- where the ratio's value
-    is 1 its gradient still counts.
-
-    Token level: ``exp(logp - old)`` per token. ``sequence`` (GSPO's level): every token of row
-    i gets ``exp`` of the row's mean log-ratio over its valid tokens, differentiated through that
-    mean (as TRL's ``importance_sampling_level="sequence"``). The log-ratio is clamped to +-20
-    before exp() (overflow only). Masked positions get 1 (their inputs never reach the result).
-
-    Returns:
-        ``[B, R]``, the dtype of ``log_prob``.
-    """
-    if log_prob.shape != old_log_prob.shape or mask.shape != log_prob.shape:
-        raise InputError(f"log_prob {tuple(log_prob.shape)}, old_log_prob "
-                         f"{tuple(old_log_prob.shape)} and mask {tuple(mask.shape)} must have "
-                         f"one shape", key="old_log_prob")
-    m = mask.bool()
-    log_ratio = torch.where(m, log_prob - torch.where(m, old_log_prob, 0.0).detach()
-                            .to(log_prob.dtype), 0.0)
-    if sequence:
-        n = m.sum(dim=-1, keepdim=True).clamp(min=1).to(log_prob.dtype)
-        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / n).expand_as(log_prob)
-    ratio = torch.exp(log_ratio.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP))
-    return torch.where(m, ratio, torch.ones_like(ratio))

@@ -30,7 +30,8 @@ from rlaudit.algo.agg import bool_mask
 from rlaudit.algo.registry import Registry
 from rlaudit.errors import InputError
 
-__all__ = ["GSPO_GRADIENTS", "POLICY_LOSSES", "PolicyLossOutput", "compute_policy_loss"]
+__all__ = ["GSPO_GRADIENTS", "POLICY_LOSSES", "PolicyLossOutput", "compute_policy_loss",
+           "importance_ratio"]
 
 #: how GSPO's sequence ratio is differentiated: GSPO-token's per-token form, or through the mean
 GSPO_GRADIENTS = ("per-token", "sequence")
@@ -86,6 +87,13 @@ def _log_ratio(x: _Inputs) -> torch.Tensor:
     return (x.logp - x.old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def _sequence_log_ratio(logp: torch.Tensor, old: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's mean of ``logp - old`` over its valid tokens (1 if none); the inputs
+    are 0 under the mask (sanitised), so the sum runs over valid tokens only."""
+    n_i = m.sum(dim=-1).clamp(min=1).to(logp.dtype)
+    return (logp - old).sum(dim=-1) / n_i
+
+
 def _finish(x: _Inputs, loss, clipped, clipped_lower, ratio, log_ratio) -> PolicyLossOutput:
     m = x.mask
     return PolicyLossOutput(
@@ -127,9 +135,7 @@ def _gspo(x: _Inputs) -> PolicyLossOutput:
     No dual clip. With ``gspo_gradient="sequence"`` (GSPO, eq. 7) every token of row i gets
     ``s_i`` itself, differentiated through the mean: gradient ``s_i * d logp_t' / n_i`` for
     every valid ``t'`` of the row."""
-    m = x.mask
-    n_i = m.sum(dim=-1).clamp(min=1).to(x.logp.dtype)
-    seq_log_ratio = (x.logp - x.old).sum(dim=-1) / n_i     # masked entries are 0 - 0
+    seq_log_ratio = _sequence_log_ratio(x.logp, x.old, x.mask)
     if x.gspo_gradient == "sequence":
         log_s = seq_log_ratio.unsqueeze(-1).expand_as(x.logp)
     else:
@@ -201,3 +207,33 @@ def compute_policy_loss(name: str, *, old_log_prob: torch.Tensor, log_prob: torc
         mask=m, low=float(clip_ratio_low), high=float(clip_ratio_high), c=float(clip_ratio_c),
         gspo_gradient=gspo_gradient)
     return fn(x)
+
+
+def importance_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor, *,
+                     sequence: bool = False) -> torch.Tensor:
+    """The importance ratio ``pi / pi_old`` a KL loss term is multiplied by under
+    ``kl_loss_weight="ratio"`` (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2): differentiable,
+    so with k3 each token's gradient becomes ``ratio * (logp - ref) * d logp``, the unbiased
+    gradient of the reverse KL when tokens were sampled from pi_old -- where the ratio's value
+    is 1 its gradient still counts.
+
+    Token level: ``exp(logp - old)`` per token. ``sequence`` (GSPO's level): every token of row
+    i gets ``exp`` of the row's mean log-ratio over its valid tokens (GSPO's sequence ratio),
+    differentiated through that mean (as TRL's ``importance_sampling_level="sequence"``). The
+    log-ratio is clamped to +-LOG_RATIO_CLAMP before exp(), as in the policy losses. Masked
+    positions get 1 (their inputs never reach the result).
+
+    Returns:
+        ``[B, R]``, the dtype of ``log_prob``.
+    """
+    _check("log_prob", log_prob, None)
+    for key, t in (("old_log_prob", old_log_prob), ("mask", mask)):
+        _check(key, t, log_prob.shape)
+    m = bool_mask(mask, log_prob.shape)
+    zero = torch.zeros_like(log_prob)
+    logp = torch.where(m, log_prob, zero)
+    old = torch.where(m, old_log_prob.detach().to(log_prob.dtype), zero)
+    log_ratio = (_sequence_log_ratio(logp, old, m).unsqueeze(-1).expand_as(logp) if sequence
+                 else logp - old)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return torch.where(m, ratio, torch.ones_like(ratio))

@@ -15,14 +15,14 @@ one step, then once with two, to see whether anything it returned changes afterw
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 
 from rlaudit.data.batch import Kind, RolloutBatch
 from rlaudit.scenarios.result import NA, CheckResult
 from rlaudit.targets.adapter import accepts, supports
-from rlaudit.targets.checks import StageEnv, Tally, attempt, stage_check
+from rlaudit.targets.checks import StageEnv, attempt, stage_check
 from rlaudit.targets.guard import AdapterRaised
 
 #: (dp_size, micro_batch_size, max_token_len, extra_padding): exactly one of micro_batch_size and
@@ -116,13 +116,26 @@ def _cut(env: StageEnv, batch: RolloutBatch, dp, mbs, tokens, extra=0):
     return ranks
 
 
-def _layouts(env: StageEnv, check: str, body) -> CheckResult:
+class Layout(NamedTuple):
+    """One entry of :data:`LAYOUTS`: exactly one of micro_batch_size and max_token_len is set."""
+
+    dp: int
+    micro_batch_size: int | None
+    max_token_len: int | None
+    extra_padding: int = 0
+
+
+def _layouts(env: StageEnv, check: str, body, *, token_budgets_only: bool = False
+             ) -> CheckResult:
+    """``body(tally, batch, label, layout, ranks)`` for every input batch and layout (only the
+    token-budget ones with ``token_budgets_only``), ``ranks`` the adapter's cut."""
     t = env.tally(check)
     for batch in env.setting("microbatch_inputs", None) or [microbatch_input()]:
-        for dp, mbs, tokens, extra in env.setting("layouts", LAYOUTS):
-            label = _layout_label(dp, mbs, tokens, extra)
-            attempt(t, label, lambda: body(t, batch, label, dp,
-                                           _cut(env, batch, dp, mbs, tokens, extra)))
+        for layout in map(Layout._make, env.setting("layouts", LAYOUTS)):
+            if token_budgets_only and layout.max_token_len is None:
+                continue
+            label = _layout_label(*layout)
+            attempt(t, label, lambda: body(t, batch, label, layout, _cut(env, batch, *layout)))
     return t
 
 
@@ -131,13 +144,13 @@ def tokens_exactly_once(env: StageEnv) -> CheckResult:
     """Every row of the batch that has a valid token appears in exactly one micro-batch of one
     rank, with its response mask unchanged; any other row a micro-batch holds (padding) has no
     valid token. So every loss term is counted exactly once."""
-    def body(t, batch, label, dp, ranks):
+    def body(t, batch, label, layout, ranks):
         want = {_row_key(batch.tensors, i): batch.mask[i] for i in range(len(batch))
                 if bool(batch.mask[i].any())}
         seen: dict[tuple, int] = {}
         t.checked += 1
-        if len(ranks) != dp:
-            t.fail(f"{label}: {len(ranks)} rank lists for dp_size={dp}")
+        if len(ranks) != layout.dp:
+            t.fail(f"{label}: {len(ranks)} rank lists for dp_size={layout.dp}")
             return
         for r, micros in enumerate(ranks):
             for j, mb in enumerate(micros):
@@ -163,7 +176,7 @@ def tokens_exactly_once(env: StageEnv) -> CheckResult:
 def equal_count(env: StageEnv) -> CheckResult:
     """Every data-parallel rank gets the same number of micro-batches (padding micro-batches make
     up the difference), so no rank waits in a collective the others never reach."""
-    def body(t, batch, label, dp, ranks):
+    def body(t, batch, label, layout, ranks):
         t.checked += 1
         counts = [len(r) for r in ranks]
         if len(set(counts)) > 1:
@@ -182,39 +195,31 @@ def within_token_budget(env: StageEnv) -> CheckResult:
     balanced partition into ceil(T / B) micro-batches (verl 0.7) may put more than B into one.
     A rank holding a row longer than B alone is left out (verl asserts that away); layouts by
     count are not this check's."""
-    t = env.tally("make_microbatches:within-token-budget")
-    for batch in env.setting("microbatch_inputs", None) or [microbatch_input()]:
+    def body(t, batch, label, layout, ranks):
         seq = batch.sequence_lengths().tolist()
         where = {_row_key(batch.tensors, i): seq[i] for i in range(len(batch))}
-        for dp, mbs, budget, extra in env.setting("layouts", LAYOUTS):
-            if budget is None:
+        budget = layout.max_token_len
+        for r, micros in enumerate(ranks):
+            held = []       # prompt + response lengths of the rows rank r's micro-batches hold
+            for mb in micros:
+                if not all(f in mb for f in _KEY_FIELDS + ("response_mask",)):
+                    continue
+                for i in range(mb["response_mask"].shape[0]):
+                    key = _row_key(mb, i)
+                    if key in where and bool(mb["response_mask"][i].any()):
+                        held.append(where[key])
+            if not held or max(held) > budget:
                 continue
-            label = _layout_label(dp, mbs, budget, extra)
-            attempt(t, label, lambda: _enough_micro(
-                t, label, where, budget, _cut(env, batch, dp, mbs, budget, extra)))
-    return t.result("token-budget layouts give every rank enough micro-batches")
-
-
-def _enough_micro(t: Tally, label: str, where: dict, budget: int, ranks) -> None:
-    """Each rank's micro-batch count against ceil(its rows' tokens / budget); ``where``: row key
-    -> the row's prompt + response length in the batch."""
-    for r, micros in enumerate(ranks):
-        held = []
-        for mb in micros:
-            if not all(f in mb for f in _KEY_FIELDS + ("response_mask",)):
-                continue
-            for i in range(mb["response_mask"].shape[0]):
-                key = _row_key(mb, i)
-                if key in where and bool(mb["response_mask"][i].any()):
-                    held.append(where[key])
-        if not held or max(held) > budget:
-            continue
-        t.checked += 1
-        need = -(-sum(held) // budget)
-        if len(micros) < need:
-            t.fail(f"{label}: rank {r} has {len(micros)} micro-batch(es) for {sum(held)} "
-                   f"tokens (prompt + response) under a budget of {budget} per micro-batch: "
-                   f"at least {need} needed (are the prompt tokens left out of the count?)")
+            t.checked += 1
+            need = -(-sum(held) // budget)
+            if len(micros) < need:
+                t.fail(f"{label}: rank {r} has {len(micros)} micro-batch(es) for {sum(held)} "
+                       f"tokens (prompt + response) under a budget of {budget} per "
+                       f"micro-batch: at least {need} needed (are the prompt tokens left out "
+                       f"of the count?)")
+    return _layouts(env, "make_microbatches:within-token-budget", body,
+                    token_budgets_only=True).result(
+        "token-budget layouts give every rank enough micro-batches")
 
 
 def _signature(mb: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
@@ -237,7 +242,7 @@ def padding_complete(env: StageEnv) -> CheckResult:
     raised inside the distributed backward).
     The comparison is with the trainer's real micro-batches, not with rlaudit's field list: a
     trainer need not carry fields it never uses, but its padding must look like its data."""
-    def body(t, batch, label, dp, ranks):
+    def body(t, batch, label, layout, ranks):
         t.checked += 1
         real = [(r, j, mb) for r, micros in enumerate(ranks) for j, mb in enumerate(micros)
                 if not _is_padding(mb)]

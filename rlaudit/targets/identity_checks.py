@@ -207,7 +207,7 @@ def loss_sums_to_batch(env: StageEnv) -> CheckResult:
     inside the distributed backward, PR #1811)."""
     modes = list(AGG_MODES)
 
-    def body(t, batch, label, dp, ranks):
+    def body(t, batch, label, layout, ranks):
         real = [mb for micros in ranks for mb in micros
                 if bool(mb.get("response_mask", torch.zeros(1)).bool().any())]
         if not real:

@@ -18,8 +18,8 @@ import torch
 
 from rlaudit.algo.agg import Denominators, agg_loss
 from rlaudit.algo.distill import DISTILL_LOSSES
-from rlaudit.algo.kl import importance_ratio, kl_penalty
-from rlaudit.algo.policy_loss import compute_policy_loss
+from rlaudit.algo.kl import kl_penalty
+from rlaudit.algo.policy_loss import compute_policy_loss, importance_ratio
 from rlaudit.algo.rollout_corr import rollout_kl_loss_mat
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch

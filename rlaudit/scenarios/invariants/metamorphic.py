@@ -38,9 +38,11 @@ def cut_invariant_metrics(scn, run) -> list[str] | None:
 
 
 def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, *,
-                        base: str = SHORT_BASE, recut: bool = False, **kw):
+                        base: str = SHORT_BASE, recut: bool = False,
+                        tokens_only: tuple[str, ...] | None = None, **kw):
     """``recut``: the variant cuts the batch into other micro-batches (see
-    :func:`cut_invariant_metrics`)."""
+    :func:`cut_invariant_metrics`). ``tokens_only``: compare only those per-token tensors (no
+    metric, no parameter), the ones both runs returned; n/a where there are none."""
     out = []
     for b in ctx.backends():
         runs, na = ctx.need(name, b, variant, base)
@@ -50,6 +52,13 @@ def _check_against_base(ctx: CheckContext, name: str, variant: str, label: str, 
         got, want = runs
         if recut:
             kw["metrics"] = cut_invariant_metrics(ctx.scenario, want)
+        if tokens_only is not None:
+            shared = tuple(k for k in tokens_only if k in got.tokens and k in want.tokens)
+            if not shared:
+                out.append(not_applicable(name, b, f"{variant}: none of {list(tokens_only)} "
+                                          f"returned"))
+                continue
+            kw.update(tokens=shared, metrics=[], params=False, metric_names_equal=False)
         # ``want`` is the baseline: its rows, widths and mask are the ones compared on (row_map
         # and width map ``got`` onto them)
         c = compare_runs(ctx.scenario, got, want, mask=ctx.mask(base), label=label, **kw)
@@ -148,19 +157,9 @@ def row_permutation(ctx: CheckContext):
                               row_map=perm, recut=True)
     if _mb_rows(scn, ctx.batch) < len(ctx.batch):
         _, across = permute_rows_within_blocks(ctx.batch, len(ctx.batch), seed=ACROSS_SEED)
-        for b in ctx.backends():
-            runs, na = ctx.need("row-permutation", b, "permutation:across", SHORT_BASE)
-            shared = [] if na else [k for k in BEFORE_UPDATE
-                                    if k in runs[0].tokens and k in runs[1].tokens]
-            if na or not shared:
-                out.append(na or not_applicable("row-permutation", b, "permutation:across: no "
-                                                "per-token value derived before the update "
-                                                "returned"))
-                continue
-            c = compare_runs(scn, runs[0], runs[1], mask=ctx.mask(SHORT_BASE),
-                             row_map=across, metrics=[], params=False, tokens=tuple(shared),
-                             metric_names_equal=False, label="rows shuffled across mini-batches")
-            out.append(result("row-permutation", b, c.ok, c.message, c.details, c.drift))
+        out += _check_against_base(ctx, "row-permutation", "permutation:across",
+                                   "rows shuffled across mini-batches", row_map=across,
+                                   tokens_only=BEFORE_UPDATE)
     return _merge(out)
 
 

@@ -37,6 +37,8 @@ import warnings
 
 import torch
 
+from rlaudit.algo.kl import KL_ESTIMATORS
+from rlaudit.errors import UnknownNameError
 from rlaudit.targets.adapter import TargetAdapter, TrainStepOutput
 
 from rlaudit.targets import Difference
@@ -491,8 +493,6 @@ def declared_differences(version: str) -> tuple:
 
 
 def _canonical_kl(name: str) -> str:
-    from rlaudit.algo.kl import KL_ESTIMATORS
-    from rlaudit.errors import UnknownNameError
     try:
         return KL_ESTIMATORS.canonical(name)
     except UnknownNameError:  # not TRL's k3 (the config's own check names it)
