@@ -90,9 +90,11 @@ def _create_sqlite_store(db: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def probe(uri: str, *, timeout: float = PROBE_TIMEOUT_S) -> None:
+def probe(uri: str, *, timeout: float | None = None) -> None:
     """Raise OSError unless an http(s) server at ``uri`` answers a request within ``timeout``
-    seconds. Any HTTP answer counts (even 401 or 404); other schemes are not probed."""
+    seconds (default :data:`PROBE_TIMEOUT_S`, read at each call). Any HTTP answer counts (even
+    401 or 404); other schemes are not probed."""
+    timeout = PROBE_TIMEOUT_S if timeout is None else timeout
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme not in ("http", "https"):
         return

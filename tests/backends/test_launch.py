@@ -337,9 +337,9 @@ def test_hard_deaths_and_unreturnable_results_are_reported():
 @pytest.mark.slow
 def test_timeout_names_the_stuck_rank_and_shows_its_stack():
     with pytest.raises(RankFailure) as err:
-        launch(_rank1_hangs, 2, timeout=3)  # counted from when both ranks are ready
+        launch(_rank1_hangs, 2, timeout=1.5)  # counted from when both ranks are ready
     text = str(err.value)
-    assert text.startswith("timed out after 3 s running")
+    assert text.startswith("timed out after 1.5 s running")
     assert "ranks not finished: 1\n" in text
     (stuck,) = err.value.outcomes  # rank 0 returned its result: not listed
     assert (stuck.rank, stuck.kind, stuck.phase) == (1, "timeout", "fn")

@@ -102,7 +102,10 @@ def test_file_store_is_refused_cleanly(make, tmp_path):
 
 @pytest.mark.slow
 def test_hung_server_is_bounded(make, tmp_path, monkeypatch):
-    """A server that accepts connections but never answers: the HTTP timeout bounds the call."""
+    """A server that accepts connections but never answers: the probe's timeout bounds the call
+    (1 s here instead of its 5 s)."""
+    from rlaudit.report import mlflow_guard
+    monkeypatch.setattr(mlflow_guard, "PROBE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(mlflow_log, "HTTP_TIMEOUT_S", 1)
     monkeypatch.setattr(mlflow_log, "HTTP_MAX_RETRIES", 0)
     srv = socket.socket()
@@ -116,6 +119,7 @@ def test_hung_server_is_bounded(make, tmp_path, monkeypatch):
     finally:
         srv.close()
     assert not out.ok and "nothing was logged" in out.message
+    assert "did not answer within 1s" in out.message
     import os
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ or \
         os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] != "1"   # restored after the call
