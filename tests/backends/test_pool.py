@@ -332,17 +332,25 @@ def test_spawn_start_method_is_honoured_and_bad_values_are_input_errors(monkeypa
 @pytest.mark.megatron
 def test_forked_and_spawned_ranks_give_bitwise_the_same_replays(monkeypatch):
     """The forkserver holds imported modules and nothing else: a replay in ranks forked from it
-    is bit for bit the replay in freshly spawned ranks (FSDP and Megatron TP)."""
+    is bit for bit the replay in freshly spawned ranks (FSDP and Megatron TP). Both backends
+    replay in one two-rank group per start method (a spawned rank pays every import again,
+    ~4.5 CPU-s; that a pool's replays do not depend on what ran before them is the test above)."""
     pytest.importorskip("megatron.core")
+    from rlaudit.backends.fsdp import FSDPBackend
+    from rlaudit.backends.megatron.backend import MegatronBackend
     from rlaudit.backends.registry import get_backend
 
+    for cls, size in ((FSDPBackend, "dp"), (MegatronBackend, "tp")):
+        monkeypatch.setattr(cls, "rank_pool",
+                            lambda self, layout, size=size: ("shared", int(layout[size])))
     requests = {k: v for k, v in _requests().items() if k in ("fsdp", "megatron-tp")}
     results = {}
     for method in ("forkserver", "spawn"):
         monkeypatch.setenv("RLAUDIT_START_METHOD", method)
-        with warm_pools():
+        with warm_pools() as pools:
             for label, (backend, request) in requests.items():
                 results.setdefault(label, []).append(get_backend(backend).replay(request))
+            assert pools.stats["spawned"] == 1 and pools.stats["tasks"] == 2
     problems = []
     for label, (forked, spawned) in results.items():
         for variant in forked:
