@@ -1,9 +1,13 @@
 """Driver for tests/executors/test_ray_executor.py, run in its own process (a Ray driver).
 
-    python ray_driver.py REPORT_DIR TRACKING_URI
+    python ray_driver.py LOCAL_DIR LOCAL_URI REPORT_DIR TRACKING_URI
 
-1. ``rlaudit run seed_stored_kl --backend fsdp --executor ray --json`` on a local Ray cluster (started here, so
-   the same cluster serves step 2); the JSON goes to REPORT_DIR/results.json.
+0. ``rlaudit run seed_stored_kl --backend fsdp --json`` with the local executor, in this process
+   before Ray starts (its warm pool is closed when the run ends); the JSON goes to
+   LOCAL_DIR/results.json. One process for both executors: the same thread count for the
+   reference replay, as a user's two invocations would have, without paying the imports twice.
+1. ``rlaudit run seed_stored_kl --backend fsdp --executor ray --json`` on a local Ray cluster
+   (started here, so the same cluster serves step 2); the JSON goes to REPORT_DIR/results.json.
 2. Failures on Ray rank groups: rank 1 raises; the next task runs on a fresh group (other
    processes); then rank 1's worker dies (``os._exit``: a lost worker). One JSON line on stdout
    says what was seen.
@@ -43,15 +47,20 @@ def main() -> int:
     from rlaudit.errors import RankFailure
     from rlaudit.executors.ray_ranks import RayPoolSet
 
-    report_dir, uri = sys.argv[1], sys.argv[2]
+    local_dir, local_uri, report_dir, uri = sys.argv[1:5]
+
+    def run(*extra, report_dir, uri):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = rlaudit(["run", "seed_stored_kl", "--backend", "fsdp", *extra, "--json",
+                          "--report-dir", report_dir, "--tracking-uri", uri])
+        with open(os.path.join(report_dir, "results.json"), "w") as f:
+            f.write(out.getvalue())
+        return rc
+
+    seen = {"local_rc": run(report_dir=local_dir, uri=local_uri)}
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = rlaudit(["run", "seed_stored_kl", "--backend", "fsdp", "--executor", "ray", "--json",
-                      "--report-dir", report_dir, "--tracking-uri", uri])
-    with open(os.path.join(report_dir, "results.json"), "w") as f:
-        f.write(out.getvalue())
-    seen = {"rc": rc}
+    seen["rc"] = run("--executor", "ray", report_dir=report_dir, uri=uri)
     pools = RayPoolSet()
     handle = pools.pool("t", 2)
     from ray_driver import fail, sum_ranks  # by module name, which Ray workers can import

@@ -3,8 +3,9 @@ gives the same metrics (bit for bit), checks, golden comparisons and MLflow metr
 raises and a worker that dies on Ray are reported like failed ranks, and the next task gets a
 fresh group.
 
-Both executors run in their own processes (the same thread count for the reference replay, as a
-user's two invocations would have). One cheap scenario: seed_stored_kl on the reference and FSDP
+Both executors run in one driver process (tests/executors/ray_driver.py), the local one first,
+before Ray starts: the same thread count for the reference replay, as a user's two invocations
+would have. One cheap scenario: seed_stored_kl on the reference and FSDP
 dp=2 (two variants; Megatron's layouts go through the same rank groups, see test_pool.py for
 their isolation).
 """
@@ -55,20 +56,17 @@ def test_ray_executor_matches_local_and_reports_failed_ranks(tmp_path):
     pytest.importorskip("mlflow")
     local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
     local_uri, ray_uri = (f"sqlite:///{tmp_path / n}.db" for n in ("local", "ray"))
-    local = subprocess.run(
-        [sys.executable, "-m", "rlaudit.cli.main", "run", "seed_stored_kl", "--backend", "fsdp",
-         "--json",
-         "--report-dir", str(local_dir), "--tracking-uri", local_uri],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
-    assert local.returncode == 0, local.stderr[-3000:]
-    driver = subprocess.run([sys.executable, str(HERE / "ray_driver.py"), str(ray_dir), ray_uri],
+    local_dir.mkdir()
+    ray_dir.mkdir()
+    driver = subprocess.run([sys.executable, str(HERE / "ray_driver.py"), str(local_dir),
+                             local_uri, str(ray_dir), ray_uri],
                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
     assert driver.returncode == 0, driver.stderr[-3000:]
     seen = json.loads(driver.stdout.strip().splitlines()[-1])
 
     # the same results
-    (want,), (got,) = json.loads(local.stdout), json.loads((ray_dir / "results.json").read_text())
-    assert seen["rc"] == 0 and got["passed"] and want["passed"]
+    (want,), (got,) = (json.loads((d / "results.json").read_text()) for d in (local_dir, ray_dir))
+    assert seen["local_rc"] == 0 and seen["rc"] == 0 and got["passed"] and want["passed"]
     # every backend, step and metric, bit for bit (timings aside)
     assert _untimed(got["metrics"]) == _untimed(want["metrics"])
     assert got["checks"] == want["checks"]
