@@ -140,4 +140,3 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str, *,
         raise InputError(f"shape {tuple(ref_log_prob.shape)} must equal log_prob's shape "
                          f"{tuple(log_prob.shape)}", key="ref_log_prob")
     return fn(log_prob, ref_log_prob)
-

@@ -177,13 +177,15 @@ def test_kl_loss_weighted_by_the_ratio(loss_mode):
     mask = batch.mask
     denom = Denominators.of(mask)
 
+    def config(weight):
+        return load_config({"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl",
+                                      "kl_loss_coef": 1.0, "kl_loss_weight": weight,
+                                      "loss_mode": loss_mode},
+                            "algorithm": {"k3_clamp": "none"}})
+
     def run(weight, x):
-        cfg = load_config({"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl",
-                                     "kl_loss_coef": 1.0, "kl_loss_weight": weight,
-                                     "loss_mode": loss_mode},
-                           "algorithm": {"k3_clamp": "none"}})
         x = x.clone().requires_grad_(True)
-        _, stats = actor_loss(batch, {"log_probs": x}, cfg=cfg, denom=denom)
+        _, stats = actor_loss(batch, {"log_probs": x}, cfg=config(weight), denom=denom)
         stats["actor/kl_loss"].backward()
         return float(stats["actor/kl_loss"].detach()), x.grad
 
@@ -204,9 +206,6 @@ def test_kl_loss_weighted_by_the_ratio(loss_mode):
     # off policy: old log-probs 0.3 lower on every token -> ratio e^0.3 (token level) and the
     # same for every row's mean (sequence level): the value is e^0.3 times the unweighted
     shifted = batch.with_fields(old_log_probs=lp - 0.3)
-    cfg = load_config({"actor": {"use_kl_loss": True, "kl_loss_type": "low_var_kl",
-                                 "kl_loss_coef": 1.0, "kl_loss_weight": "ratio",
-                                 "loss_mode": loss_mode}, "algorithm": {"k3_clamp": "none"}})
-    _, stats = actor_loss(shifted, {"log_probs": lp}, cfg=cfg, denom=denom)
+    _, stats = actor_loss(shifted, {"log_probs": lp}, cfg=config("ratio"), denom=denom)
     want = float(k3.sum()) / n * math.exp(0.3)
     assert float(stats["actor/kl_loss"]) == pytest.approx(want, rel=1e-12)

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from rlaudit.algo.kl import DEFAULT_K3_CLAMP
+
 
 def naive_agg(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str,
               norm_len: float | None = None, *, seq_count: str = "valid-rows") -> float:
@@ -43,7 +45,7 @@ def naive_token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def naive_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str, *,
-             k3_clamp: str = "value-10") -> torch.Tensor | None:
+             k3_clamp: str = DEFAULT_K3_CLAMP) -> torch.Tensor | None:
     """Per-token KL estimate by a loop over elements for k1/kl, abs, k2/mse and k3/low_var_kl
     (log-ratio clamped to [-20, 20], value to [-10, 10] as verl unless ``k3_clamp`` is "none");
     None for other kinds."""

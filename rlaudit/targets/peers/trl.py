@@ -38,7 +38,6 @@ import warnings
 import torch
 
 from rlaudit.algo.kl import KL_ESTIMATORS
-from rlaudit.errors import UnknownNameError
 from rlaudit.targets.adapter import TargetAdapter, TrainStepOutput
 
 from rlaudit.targets import Difference
@@ -493,10 +492,8 @@ def declared_differences(version: str) -> tuple:
 
 
 def _canonical_kl(name: str) -> str:
-    try:
-        return KL_ESTIMATORS.canonical(name)
-    except UnknownNameError:  # not TRL's k3 (the config's own check names it)
-        return name
+    """``name``'s primary name; an unknown one as it is (the config's own check names it)."""
+    return KL_ESTIMATORS.canonical(name) if name in KL_ESTIMATORS else name
 
 
 def kl_link(version: str) -> str:
