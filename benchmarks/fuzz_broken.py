@@ -58,9 +58,9 @@ def main() -> int:
     torch.set_num_threads(int(os.environ.get("RLAUDIT_TEST_THREADS", "1")))
     import broken_adapters as broken
     from examples.toy_trainer.adapter import ToyAdapter
-    from rlaudit.targets.fuzz import DEFAULT_BUDGET, fuzz_target
-    from rlaudit.targets.fuzz_run import DEFAULT_RUN_BUDGET
-    from rlaudit.targets.reference import ReferenceAdapter
+    from rlaudit.targets.fuzz.stage_fuzz import DEFAULT_BUDGET, fuzz_target
+    from rlaudit.targets.fuzz.train_step import DEFAULT_RUN_BUDGET
+    from rlaudit.targets.contract.own_adapters import ReferenceAdapter
 
     plan = []
     if not args.run_only:

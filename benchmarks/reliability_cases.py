@@ -117,8 +117,8 @@ def case6(tmp):
     sys.path.insert(0, str(REPO / "tests" / "reliability"))
     from test_reliability_loopback import _listening_in_rank, listening_addresses
 
-    from rlaudit.backends.launch import _rendezvous, launch
-    store = _rendezvous.rendezvous_store("127.0.0.1", timeout=30)
+    from rlaudit.backends.launch import rendezvous, launch
+    store = rendezvous.rendezvous_store("127.0.0.1", timeout=30)
     print(f"  rendezvous store listens on: "
           f"{[a for a in listening_addresses(os.getpid()) if a.endswith(f':{store.port}')]}")
     del store

@@ -26,7 +26,7 @@ def main(version: str | None) -> int:
     from rlaudit.targets.peers import activate
     activate("trl", version)
     from rlaudit.targets.peers.trl import TRLAdapter
-    from rlaudit.targets.runner import run_target
+    from rlaudit.targets.run.runner import run_target
     adapter = TRLAdapter()
     print(f"TRL {adapter.version} (import {time.perf_counter() - T0:.1f} s)")
     failed = 0

@@ -1,8 +1,7 @@
 """rlaudit: a correctness-regression and metric-audit harness for LLM RL post-training.
 
-Layers (imports flow one way, left to right):
-    algo, data  <-  model  <-  update  <-  trainer, rollout, backends  <-  targets, scenarios
-    <-  report, cli, pytest_plugin
+Modules live on floors and import one way, from lower floors only (docs/internals.md, "Layers";
+enforced by tests/test_house.py).
 """
 
 __version__ = "0.1.0"

@@ -1,8 +1,9 @@
 """Registry names, invariant docs and backend availability without importing torch (1.3 s) or
 megatron (4 s): what ``rlaudit list``, scenario/config validation and input errors need.
 
-The first call in a given installation computes them from the live registries (importing
-rlaudit.algo, rlaudit.scenarios.invariants and the backends) and caches the result in
+The first call in a given installation computes them from the live registries (each section by
+its owner's ``catalogue_section()``: rlaudit.algo.names, rlaudit.scenarios.invariants,
+rlaudit.backends.registry; see :data:`OWNERS`) and caches the result in
 ``$RLAUDIT_CACHE_DIR`` (default ``~/.cache/rlaudit``) under a fingerprint of rlaudit's source
 files (path, size, mtime), the Python version and the installed torch, megatron-core and
 transformers versions; later calls read the file. Editing any rlaudit module or upgrading one of
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -27,8 +29,9 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
+from rlaudit import switches
 from rlaudit.errors import UnknownNameError
 
 #: Installed packages whose versions enter the fingerprint (they decide backend availability).
@@ -56,14 +59,14 @@ class NameList:
 
 def algo_names() -> SimpleNamespace:
     """``ADV_ESTIMATORS``, ``KL_ESTIMATORS``, ... as in rlaudit.algo.names, as NameLists."""
-    data = _section("algo", _compute_algo)
+    data = _section("algo")
     return SimpleNamespace(**{attr: NameList(entry["kind"], entry["names"])
                               for attr, entry in data.items()})
 
 
 def algorithms() -> dict[str, list[str]]:
     """``rlaudit list algorithms``: display kind -> names (aliases included)."""
-    return {entry["display"]: entry["names"] for entry in _section("algo", _compute_algo).values()}
+    return {entry["display"]: entry["names"] for entry in _section("algo").values()}
 
 
 def invariants() -> NameList:
@@ -71,48 +74,37 @@ def invariants() -> NameList:
 
 
 def invariant_docs() -> list[dict[str, str]]:
-    return _section("invariants", _compute_invariants)
+    return _section("invariants")
 
 
 def backends() -> list[dict[str, Any]]:
-    return _section("backends", _compute_backends)
+    return _section("backends")
 
 
-# ---- computing the sections from the live registries ------------------------------------------
+# ---- computing the sections from their owners ----------------------------------------------------
 
-def _compute_algo() -> dict:
-    from rlaudit.algo import names
-    from rlaudit.algo.registry import Registry
-
-    display = {id(reg): kind for kind, reg in names.ALL.items()}
-    return {attr: {"kind": reg.kind, "display": display.get(id(reg), reg.kind),
-                   "names": reg.names()}
-            for attr, reg in vars(names).items() if isinstance(reg, Registry)}
-
-
-def _compute_invariants() -> list[dict]:
-    from rlaudit.scenarios.invariants import INVARIANTS
-
-    return [{"name": n, "family": INVARIANTS.get(n).family, "doc": INVARIANTS.get(n).doc}
-            for n in INVARIANTS]
+#: Which module computes each section, by dotted name: the one named-plugin lookup in rlaudit.
+#: Each owner lives on a floor above this one (the registries, the invariants, the backends) and
+#: defines ``catalogue_section()``; naming it here and importing it only on a cache miss keeps
+#: this floor-0 module from importing upward (an import circle through config) and keeps torch
+#: out of ``rlaudit list`` whenever the cache is warm.
+OWNERS = {
+    "algo": "rlaudit.algo.names",
+    "invariants": "rlaudit.scenarios.invariants",
+    "backends": "rlaudit.backends.registry",
+}
 
 
-def _compute_backends() -> list[dict]:
-    from rlaudit.backends.registry import backend_names, get_backend
-
-    out = []
-    for name in backend_names():
-        ok, why = get_backend(name).available()
-        out.append({"name": name, "available": ok, "why": why})
-    return out
+def _compute(name: str) -> Any:
+    return importlib.import_module(OWNERS[name]).catalogue_section()
 
 
 # ---- the cache ------------------------------------------------------------------------------------
 
-def _section(name: str, compute: Callable[[], Any]) -> Any:
+def _section(name: str) -> Any:
     data = _load()
     if name not in data:
-        data[name] = compute()
+        data[name] = _compute(name)
         _store(data)
     return data[name]
 
@@ -137,7 +129,7 @@ def fingerprint(root: Path = _PACKAGE_ROOT) -> str:
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("RLAUDIT_CACHE_DIR")
+    env = switches.cache_dir()
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

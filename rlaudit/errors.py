@@ -6,6 +6,9 @@ Exit codes (the whole CLI): 0 all checks passed, 1 an invariant or golden compar
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -74,3 +77,29 @@ def raise_problems(problems: list[InputError], *, header: str = "input problems"
         raise problems[0]
     if problems:
         raise InputErrors(problems, header=header)
+
+
+@dataclass
+class Problems:
+    """Collects InputErrors; identical ones (a rollout shared by scenarios) are kept once."""
+
+    items: list[InputError] = field(default_factory=list)
+
+    def add(self, message: str, *, source: str | None, key: str | None) -> None:
+        self.take(InputError(message, source=source, key=key))
+
+    def take(self, err: InputError) -> None:
+        if str(err) not in {str(p) for p in self.items}:
+            self.items.append(err)
+
+    def attempt(self, fn: Callable, *args, wrap: tuple[str, str] | None = None, **kw):
+        """``fn(*args, **kw)``, or None with its InputError recorded (``wrap=(source, key)``:
+        recorded under that file and key, the original message kept)."""
+        try:
+            return fn(*args, **kw)
+        except InputError as e:
+            if wrap is None:
+                self.take(e)
+            else:
+                self.add(str(e), source=wrap[0], key=wrap[1])
+            return None

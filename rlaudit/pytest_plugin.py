@@ -13,7 +13,8 @@ the reference backend, which parity checks compare against) and fails with the i
 Multi-rank replays in a session (scenario items and any test calling a backend) reuse warm rank
 pools, one set per xdist worker (``--rlaudit-fresh-ranks`` spawns per replay instead).
 
-Kept import-light: nothing heavy is imported until a scenario file is collected.
+Kept import-light: pytest loads this plugin in every session, so torch (the engine, the goldens,
+the rank pools) is imported only when a scenario item runs or a session warms its pools.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
+
+from rlaudit.backends.registry import get_backend
+from rlaudit.report.console import render_result
+from rlaudit.scenarios.spec import load_scenario
+from rlaudit.verdict.result import NO_GOLDEN_STATE, PASSED
 
 
 def pytest_addoption(parser):
@@ -49,7 +56,7 @@ def pytest_sessionstart(session):
     first use, so a session without multi-rank replays spawns nothing)."""
     if session.config.getoption("rlaudit_fresh_ranks"):
         return
-    from rlaudit.backends.launch.pool import warm_pools
+    from rlaudit.backends.launch.pool import warm_pools  # lazy: at session start, not plugin load
 
     block = warm_pools()
     block.__enter__()
@@ -75,7 +82,6 @@ def _is_scenario(path: Path, root: Path | None = None) -> bool:
     if path.suffix not in (".yaml", ".yml") or {"models", "rollouts", "found"} & set(parts[:-1]):
         return False
     try:
-        import yaml
         data = yaml.safe_load(path.read_text())
     except Exception:
         return False
@@ -90,7 +96,6 @@ def pytest_collect_file(file_path: Path, parent):
 
 class ScenarioFile(pytest.File):
     def collect(self):
-        from rlaudit.scenarios.spec import load_scenario
         scn = load_scenario(self.path)
         wanted = self.config.getoption("rlaudit_backend")
         for backend in scn.backends:
@@ -112,13 +117,11 @@ class ScenarioItem(pytest.Item):
         self.add_marker(pytest.mark.rlaudit_scenario)
 
     def runtest(self):
-        from rlaudit.backends.registry import get_backend
-        from rlaudit.report.console import render_result
-        from rlaudit.scenarios.engine import run_scenario
+        from rlaudit.scenarios.engine import run_scenario  # lazy: torch, only when an item runs
         ok, why = get_backend(self.backend).available()
         if not ok:
             pytest.skip(f"backend {self.backend} unavailable: {why}")
-        from rlaudit.scenarios.golden import bless_blocker, compare_or_bless
+        from rlaudit.scenarios.golden import bless_blocker, compare_or_bless  # lazy: as the engine
         backends = ["reference"] if self.backend == "reference" else ["reference", self.backend]
         res = run_scenario(self.scenario, backends=backends, golden_dir=None)
         # the reference backend's own item reports its checks; this item reports its backend's
@@ -132,7 +135,6 @@ class ScenarioItem(pytest.Item):
             res.golden = compare_or_bless(self.scenario, {self.backend: res.runs[self.backend]},
                                           golden_dir, bless=bless,
                                           refuse=bless_blocker(res) if bless else None)
-        from rlaudit.scenarios.result import NO_GOLDEN_STATE, PASSED
         allowed = {PASSED} | (set() if self.config.getoption("rlaudit_require_golden")
                               else {NO_GOLDEN_STATE})
         if res.state not in allowed:

@@ -107,6 +107,42 @@ def _valid_values(name: str, shape: tuple[int, ...], g: torch.Generator,
     return (2 * u - 1) * VALUE_SPAN
 
 
+def _fields_arg(fields: Sequence[str]) -> tuple[str, ...]:
+    """``fields`` checked against :data:`SUPPORTED_FIELDS`, duplicates dropped, order kept."""
+    if isinstance(fields, str):
+        raise InputError("expected a sequence of field names, got a single string", key="fields")
+    for name in fields:
+        if name not in SUPPORTED_FIELDS:
+            raise InputError(f"unsupported field {name!r}; valid: {', '.join(SUPPORTED_FIELDS)}",
+                             key="fields")
+    return tuple(dict.fromkeys(fields))
+
+
+def _optional_field(draw, name: str, dims: tuple[int, int, int, int], g: torch.Generator,
+                    base_log_probs: torch.Tensor, mask: torch.Tensor, vocab_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """One optional field of a drawn batch. ``dims`` = (B, P, R, K); the field's shape follows
+    its kind: [B] per sequence, [B, P] per prompt token, [B, R(, K)] per response token.
+    base_log_probs [B, R]: the batch's shared log-probs (log-prob fields jitter around them).
+    mask [B, R]: valid response tokens; a per-token field holds garbage where it is False."""
+    b, p, r, topk = dims
+    spec = KNOWN_FIELDS[name]
+    kind = spec.kind
+    shape = ((b,) if kind == Kind.SEQ else (b, p) if kind == Kind.PROMPT
+             else (b, r, topk) if name in _TOPK_FIELDS else (b, r))
+    if spec.dtype == "int":  # token ids (e.g. teacher_topk_ids)
+        return torch.randint(0, vocab_size, shape, generator=g)
+    if spec.dtype == "bool":
+        return torch.rand(shape, generator=g) < 0.5
+    if name == "scores" and draw(st.booleans()):  # binary rule scores: zero-std groups
+        return (torch.rand(shape, generator=g) < 0.5).to(dtype)
+    valid = _valid_values(name, shape, g, base_log_probs, vocab_size).to(dtype)
+    if kind == Kind.TOKEN:
+        keep = mask if len(shape) == 2 else mask.unsqueeze(-1).expand(shape)
+        valid = torch.where(keep, valid, _garbage(shape, g, dtype))
+    return valid
+
+
 def rollout_batches(*, min_groups: int = 1, max_groups: int = 4, min_group_size: int = 1,
                     max_group_size: int = 4, max_prompt_len: int = 6, max_response_len: int = 8,
                     allow_empty_responses: bool = True, allow_masked_holes: bool = True,
@@ -146,13 +182,7 @@ def rollout_batches(*, min_groups: int = 1, max_groups: int = 4, min_group_size:
     _order_args("min_groups", min_groups, "max_groups", max_groups)
     _order_args("min_group_size", min_group_size, "max_group_size", max_group_size)
     dtype = _float_dtype_arg(dtype)
-    if isinstance(fields, str):
-        raise InputError("expected a sequence of field names, got a single string", key="fields")
-    for name in fields:
-        if name not in SUPPORTED_FIELDS:
-            raise InputError(f"unsupported field {name!r}; valid: {', '.join(SUPPORTED_FIELDS)}",
-                             key="fields")
-    fields = tuple(dict.fromkeys(fields))
+    fields = _fields_arg(fields)
     mask_modes = ["full", "holes", "all_masked"] if allow_masked_holes else ["full"]
 
     @st.composite
@@ -192,24 +222,8 @@ def rollout_batches(*, min_groups: int = 1, max_groups: int = 4, min_group_size:
         }
         base_log_probs = -torch.rand(b, r, generator=g, dtype=torch.float64) * LOG_PROB_SPAN
         for name in fields:
-            spec = KNOWN_FIELDS[name]
-            kind = spec.kind
-            shape = ((b,) if kind == Kind.SEQ else (b, p) if kind == Kind.PROMPT
-                     else (b, r, topk) if name in _TOPK_FIELDS else (b, r))
-            if spec.dtype == "int":  # token ids (e.g. teacher_topk_ids)
-                tensors[name] = torch.randint(0, vocab_size, shape, generator=g)
-                continue
-            if spec.dtype == "bool":
-                tensors[name] = torch.rand(shape, generator=g) < 0.5
-                continue
-            if name == "scores" and draw(st.booleans()):  # binary rule scores: zero-std groups
-                tensors[name] = (torch.rand(shape, generator=g) < 0.5).to(dtype)
-                continue
-            valid = _valid_values(name, shape, g, base_log_probs, vocab_size).to(dtype)
-            if kind == Kind.TOKEN:
-                keep = mask if len(shape) == 2 else mask.unsqueeze(-1).expand(shape)
-                valid = torch.where(keep, valid, _garbage(shape, g, dtype))
-            tensors[name] = valid
+            tensors[name] = _optional_field(draw, name, (b, p, r, topk), g, base_log_probs, mask,
+                                            vocab_size, dtype)
         return RolloutBatch.from_tensors(tensors, source="rlaudit.strategies.rollout_batches")
 
     return draw_batch()

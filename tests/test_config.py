@@ -1,6 +1,7 @@
 import pytest
 
-from rlaudit.config import Config, from_dict, flatten, to_dict
+from rlaudit.config import Config
+from rlaudit.dicts import flatten, from_dict, to_dict
 from rlaudit.errors import InputError
 
 

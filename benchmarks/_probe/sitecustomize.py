@@ -10,9 +10,10 @@ module is imported, and appends one JSON line per timed call to ``$RLAUDIT_PROBE
 Because it measures from the outside, the same probe times the code before and after a change
 (``suite_time.py --ref b75782f``), as long as these names exist: rlaudit.cli.main.main,
 rlaudit.scenarios.engine.{run_scenario,get_backend,load_rollout,build_variants,golden_mod},
+rlaudit.scenarios.variants.build_variants (where it lives since it left the engine),
 Invariant.check, rlaudit.backends.launch.launch,
 rlaudit.backends.launch.pool.RankPool.{_start,_run_task},
-rlaudit.backends.launch._worker._init_distributed,
+rlaudit.backends.launch.worker.init_distributed,
 rlaudit.backends.replay.replay_variant, rlaudit.backends.megatron.compat.init_megatron,
 rlaudit.backends.megatron.convert.load_hf_checkpoint, rlaudit.report.{mlflow_log.log_invocation,
 run_report.write_run_report}. A missing name is skipped (its phase then reads 0).
@@ -165,12 +166,13 @@ PATCHES = {
     "rlaudit.cli.main": lambda m: _wrap_attr(m, "main", "cli"),
     "rlaudit.scenarios.engine": _patch_engine,
     "rlaudit.scenarios.invariants": _patch_invariants,
+    "rlaudit.scenarios.variants": lambda m: _wrap_attr(m, "build_variants", "variants"),
     "rlaudit.backends.launch": lambda m: _wrap_attr(m, "launch", "launch"),
     # a warm pool's start-up is a launch's spawn, a task its use (checkouts that have pools)
     "rlaudit.backends.launch.pool": lambda m: (
         _wrap_attr(m.RankPool, "_start", "launch", _pool_port),
         _wrap_attr(m.RankPool, "_run_task", "task", _pool_port)),
-    "rlaudit.backends.launch._worker": lambda m: _wrap_attr(m, "_init_distributed", "rendezvous"),
+    "rlaudit.backends.launch.worker": lambda m: _wrap_attr(m, "init_distributed", "rendezvous"),
     "rlaudit.backends.replay": lambda m: _wrap_attr(
         m, "replay_variant", "variant",
         lambda make_roles, variant, *a, **k: {"variant": variant.name}),

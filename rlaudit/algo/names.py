@@ -5,6 +5,7 @@ from rlaudit.algo.agg import AGG_MODES
 from rlaudit.algo.distill import DISTILL_LOSSES
 from rlaudit.algo.kl import KL_ESTIMATORS
 from rlaudit.algo.policy_loss import POLICY_LOSSES
+from rlaudit.algo.registry import Registry
 
 ALL = {
     "advantage estimators": ADV_ESTIMATORS,
@@ -13,3 +14,12 @@ ALL = {
     "policy losses": POLICY_LOSSES,
     "distillation losses": DISTILL_LOSSES,
 }
+
+
+def catalogue_section() -> dict:
+    """The "algo" section of rlaudit.catalogue's name cache: registry attribute -> its kind, the
+    kind ``rlaudit list`` displays, and its names (aliases included)."""
+    display = {id(reg): kind for kind, reg in ALL.items()}
+    return {attr: {"kind": reg.kind, "display": display.get(id(reg), reg.kind),
+                   "names": reg.names()}
+            for attr, reg in list(globals().items()) if isinstance(reg, Registry)}

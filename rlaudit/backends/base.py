@@ -18,8 +18,10 @@ from typing import Any, Protocol
 
 import torch
 
+from rlaudit.backends.faults import from_env as faults_from_env
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
+from rlaudit.update.forward_memo import from_env as forward_memo_from_env
 
 
 @dataclass
@@ -48,27 +50,17 @@ class ReplayRequest:
     weight_noise: float = 0.0
     """Relative std of a fixed multiplicative noise applied to every weight after loading
     (reference backend only): how the noise floor of a target's precision is measured (see
-    rlaudit/targets/declare.py). 0: the snapshot's exact weights."""
+    rlaudit/targets/contract/declare.py). 0: the snapshot's exact weights."""
     noise_draw: int = 0
     """Which fixed draw of that noise (0, 1, ...): the floor of a target that misses it narrowly
-    is measured again with the next draws (rlaudit/targets/runner.py)."""
-    faults: str = field(default_factory=lambda: _faults_from_env())
+    is measured again with the next draws (rlaudit/targets/run/runner.py)."""
+    faults: str = field(default_factory=lambda: faults_from_env())
     """Test-only fault injectors (rlaudit/backends/faults.py): a copy of ``$RLAUDIT_FAULT`` taken
     when the request is made, so it reaches ranks spawned earlier; empty in every real run."""
-    forward_memo: bool = field(default_factory=lambda: _forward_memo_from_env())
+    forward_memo: bool = field(default_factory=lambda: forward_memo_from_env())
     """Answer a forward-only pass that repeats an earlier one of this request from a memo (CPU
     only; rlaudit/update/forward_memo.py). ``$RLAUDIT_FORWARD_MEMO=0`` when the request is made
     turns it off; the results are the same bit for bit either way."""
-
-
-def _faults_from_env() -> str:
-    from rlaudit.backends.faults import from_env
-    return from_env()
-
-
-def _forward_memo_from_env() -> bool:
-    from rlaudit.update.forward_memo import from_env
-    return from_env()
 
 
 @dataclass
@@ -100,7 +92,7 @@ class VariantRun:
     noise: "VariantRun | None" = field(default=None, repr=False, compare=False)
     """The same variant replayed by the reference with weights perturbed at a target's
     precision (set by the target runner): comparisons against this run allow a multiple of its
-    spread (rlaudit.scenarios.invariants.compare.NOISE_FACTOR)."""
+    spread (rlaudit.verdict.compare.NOISE_FACTOR)."""
 
 
 class Backend(Protocol):

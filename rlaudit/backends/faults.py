@@ -32,23 +32,23 @@ The reference backend never consults faults: it is the oracle.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from rlaudit import switches
+from rlaudit.backends.megatron.convert import unwrap_model, module_names_of_stage
 from rlaudit.errors import InputError
 
-ENV = "RLAUDIT_FAULT"
 KINDS = ("rmsnorm_eps", "softmax_scale", "grad_scale", "lr_scale", "advantage_group")
-_SOURCE = f"${ENV}"
+_SOURCE = f"${switches.FAULT}"
 
 
 def from_env() -> str:
     """The fault spec of this process (empty string when unset): ReplayRequest's default.
     A malformed spec is an InputError here, in the process that builds the request."""
-    spec = os.environ.get(ENV, "")
+    spec = switches.fault_spec()
     if spec:
         parse(spec)
     return spec
@@ -128,8 +128,7 @@ def _modules(ctx) -> tuple[dict[str, torch.nn.Module], Callable[[str], str | Non
     """(this rank's modules by name, HF module name -> local name or None) for either engine."""
     model = ctx.model
     if hasattr(ctx, "hf_config"):  # megatron: local names through the converter's module map
-        from rlaudit.backends.megatron.convert import _unwrap, module_names_of_stage
-        inner = _unwrap(model)
+        inner = unwrap_model(model)
         back = {hf: mg for mg, hf in module_names_of_stage(ctx.hf_config).items()}
         return dict(inner.named_modules()), back.get
     return dict(model.named_modules()), lambda hf: hf
@@ -174,7 +173,7 @@ def _apply(fault: Fault, backend: str, role: str, ctx) -> None:
     if fault.kind == "grad_scale":
         if role != "actor" or not megatron:
             return
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # lazy: megatron-core: optional, 4 s import
         if ps.get_tensor_model_parallel_rank() != fault.get("tp_rank", 1, int):
             return
         name = local(fault.get("module", "model.layers.0.mlp", str))

@@ -14,6 +14,7 @@ fp32 gradient reduction) — meant for GPUs.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, VariantRun
@@ -33,6 +34,7 @@ def _decoder_layers(module: torch.nn.Module):
 
 
 def make_wrap(mesh, dtype: str):
+    # lazy: FSDP2 APIs: needed only inside a rank
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = None
@@ -51,6 +53,7 @@ def make_wrap(mesh, dtype: str):
 
 def _rank_main(info, request: ReplayRequest) -> dict[str, VariantRun]:
     """Runs in every rank: replay each variant with FSDP2-wrapped models."""
+    # lazy: FSDP2 APIs: needed only inside a rank
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
@@ -85,7 +88,6 @@ class FSDPBackend:
         # by version, not by importing torch.distributed.fsdp: the CLI asks before every run,
         # and only the ranks (forked from a process that has it imported) need the module --
         # 0.6 CPU-s a run otherwise. A build without it fails in the ranks with the ImportError.
-        import torch.distributed as dist
         if not dist.is_available():
             return False, "torch.distributed is not available"
         if torch.__version__ < self.MIN_TORCH:

@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import os
 import threading
 from collections import OrderedDict
 
@@ -29,10 +28,8 @@ import torch
 
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.dedupe import variant_digest
-from rlaudit.errors import InputError
 from rlaudit.model.load import snapshot_id
-
-DEFAULT_MB = 256
+from rlaudit.switches import reference_memo_bytes
 
 _lock = threading.Lock()
 _entries: "OrderedDict[str, tuple[VariantRun, int]]" = OrderedDict()
@@ -42,15 +39,8 @@ stats = {"hits": 0, "misses": 0}
 
 
 def limit_bytes() -> int:
-    raw = os.environ.get("RLAUDIT_REFERENCE_MEMO_MB", str(DEFAULT_MB))
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:   # also NaN
-        raise InputError(f"expected a number of MiB >= 0 (0 turns the memo off), got {raw!r}",
-                         source="environment", key="RLAUDIT_REFERENCE_MEMO_MB")
-    return int(mb * (1 << 20))
+    """The memo's size limit in bytes (``$RLAUDIT_REFERENCE_MEMO_MB``, rlaudit/switches.py)."""
+    return reference_memo_bytes()
 
 
 @contextlib.contextmanager

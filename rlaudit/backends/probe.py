@@ -33,8 +33,13 @@ import torch
 import torch.distributed as dist
 
 from rlaudit.algo.agg import Denominators
+from rlaudit.backends.hooks import ModuleHooks, hf_module_names
+from rlaudit.backends.megatron.model import hf_model_spec
 from rlaudit.data.batching import is_padding_microbatch
+from rlaudit.update.actor import actor_forward_spec, actor_loss
+from rlaudit.update.forward import build_inputs
 from rlaudit.update.stats import MetricAccumulator
+from rlaudit.update.step import prepare_batch
 
 #: per-row index field added to the probed batch (every micro-batch carries it)
 ROW_FIELD = "_probe_row"
@@ -43,10 +48,6 @@ PREPARED_FIELDS = ("token_level_scores", "old_log_probs", "ref_log_probs", "valu
                    "token_level_rewards", "rollout_is_weights", "advantages", "returns")
 #: rows of the layer probe's micro-batch when the localisation names none
 DEFAULT_ROWS = 8
-#: elements kept over all hooked outputs (and as many again for their gradients): each module's
-#: share is cut to its first rows, then to its first positions (a large model's hidden states or
-#: a large vocabulary's logits); the localisation compares what both sides kept
-MAX_PROBE_ELEMENTS = 1 << 27
 #: gradients (flat, per optimizer step and in the layer probe) only for models up to this many
 #: parameters: gathering them whole on every rank is for test-sized models
 MAX_PARAMS = 5_000_000
@@ -84,7 +85,6 @@ def flat(tensors: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
 def param_count(ctx) -> int:
     """The model's parameter count, the same on every rank (megatron: from its HF config)."""
     if is_megatron(ctx):
-        from rlaudit.backends.megatron.model import hf_model_spec
         s = hf_model_spec(ctx.hf_config)
         per_layer = 2 * s.hidden_size + s.hidden_size * s.head_dim * (
             s.num_heads * 2 + s.num_kv_heads * 2) + 3 * s.hidden_size * s.ffn_hidden_size
@@ -101,6 +101,7 @@ def hf_grads(ctx) -> dict[str, torch.Tensor] | None:
     if param_count(ctx) > MAX_PARAMS:
         return None
     if is_megatron(ctx):
+        # lazy: megatron-core is optional (a Megatron context has it), 4 s import
         from rlaudit.backends.megatron.probe import hf_grads as megatron_grads
         return megatron_grads(ctx)
     out = {}
@@ -166,67 +167,6 @@ class RecordingContext:
         return {"rows": all_rows[order], "log_probs": all_lp[order], "stats": stats}
 
 
-# ---- module hooks -------------------------------------------------------------------------------
-
-def hf_module_names(model: torch.nn.Module) -> list[str]:
-    """The modules of an HF causal LM the layer probe hooks, in depth order."""
-    have = {n for n, _ in model.named_modules()}
-    names = ["model.embed_tokens"]
-    i = 0
-    while f"model.layers.{i}" in have:
-        names += [f"model.layers.{i}.{part}" for part in
-                  ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")]
-        names.append(f"model.layers.{i}")
-        i += 1
-    names += ["model.norm", "lm_head"]
-    return [n for n in names if n in have]
-
-
-def cut(t: torch.Tensor, batch_dim: int, seq_dim: int, cap: int) -> torch.Tensor:
-    """``t`` narrowed to at most ``cap`` elements: its first rows, and if one row is still too
-    large, its first positions (both sides of a comparison cut alike)."""
-    if t.numel() <= cap or t.dim() <= max(batch_dim, seq_dim):
-        return t
-    per_row = t.numel() // max(t.shape[batch_dim], 1)
-    t = t.narrow(batch_dim, 0, max(1, cap // max(per_row, 1)))
-    if t.numel() > cap:
-        per_pos = t.numel() // max(t.shape[seq_dim], 1)
-        t = t.narrow(seq_dim, 0, max(1, cap // max(per_pos, 1)))
-    return t
-
-
-class ModuleHooks:
-    """Forward hooks on ``modules`` (name -> module) recording each output (the first tensor of a
-    tuple output) and, through a tensor hook, the gradient that reaches it; each within its share
-    of :data:`MAX_PROBE_ELEMENTS`. ``batch_dim``: 0 for batch-first outputs, 1 for megatron's
-    sequence-first ones."""
-
-    def __init__(self, modules: dict[str, torch.nn.Module], *, batch_dim: int = 0):
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.grads: dict[str, torch.Tensor] = {}
-        self._dims = (batch_dim, 1 - batch_dim)
-        self._cap = max(1 << 16, MAX_PROBE_ELEMENTS // max(len(modules), 1))
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
-
-    def _hook(self, name: str):
-        def hook(module, args, output):
-            t = output[0] if isinstance(output, (tuple, list)) else output
-            if not isinstance(t, torch.Tensor):
-                return
-            self.outputs[name] = cut(t.detach(), *self._dims, self._cap).clone()
-            if t.requires_grad:
-                t.register_hook(partial(self._grad, name))
-        return hook
-
-    def _grad(self, name: str, grad: torch.Tensor) -> None:
-        self.grads[name] = cut(grad.detach(), *self._dims, self._cap).clone()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
 def _hf_hooks(ctx) -> ModuleHooks:
     named = dict(ctx.model.named_modules())
     return ModuleHooks({n: named[n] for n in hf_module_names(ctx.model)})
@@ -234,6 +174,7 @@ def _hf_hooks(ctx) -> ModuleHooks:
 
 def attach_hooks(ctx) -> ModuleHooks:
     if is_megatron(ctx):
+        # lazy: megatron-core is optional (a Megatron context has it), 4 s import
         from rlaudit.backends.megatron.probe import attach_hooks as megatron_hooks
         return megatron_hooks(ctx)
     return _hf_hooks(ctx)
@@ -243,7 +184,7 @@ def collect_hooks(ctx, hooks: ModuleHooks) -> tuple[dict, dict]:
     """(outputs, gradients at the outputs) under HF module names, batch-first, on CPU (collective
     for megatron: the output layer is gathered over TP, stages over PP)."""
     if is_megatron(ctx):
-        from rlaudit.backends.megatron.probe import collect
+        from rlaudit.backends.megatron.probe import collect  # lazy: megatron-core, optional
         return collect(ctx, hooks)
     return ({n: t.cpu() for n, t in hooks.outputs.items()},
             {n: t.cpu() for n, t in hooks.grads.items()})
@@ -251,10 +192,6 @@ def collect_hooks(ctx, hooks: ModuleHooks) -> tuple[dict, dict]:
 
 def layer_probe(roles, batch, cfg, spec: ProbeSpec) -> dict:
     """One hooked pass of ``spec.rows`` at the current weights (see the module docstring)."""
-    from rlaudit.update.actor import actor_forward_spec, actor_loss
-    from rlaudit.update.forward import build_inputs
-    from rlaudit.update.step import prepare_batch
-
     prepared, _ = prepare_batch(roles, batch, cfg)
     rows = list(spec.rows) or list(range(min(len(batch), DEFAULT_ROWS)))
     micro = prepared.select(rows)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 
 import torch
 
 from rlaudit.backends import memo
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
+from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.backends.replay import replay_variant
 from rlaudit.errors import InputError, RankFailure
 from rlaudit.model.critic import ValueModel
@@ -46,7 +48,7 @@ def _load_cached(model_path: str, dtype: str, device: str):
 
 
 @functools.lru_cache(maxsize=4)
-def _pad_id(model_path: str) -> int:
+def pad_id(model_path: str) -> int:
     return int(load_tokenizer(model_path).pad_token_id or 0)
 
 
@@ -57,7 +59,7 @@ def torch_roles(model_path: str, variant: Variant, *, dtype: str, device: str,
     module (FSDP2) or returns it unchanged (reference)."""
     cfg = variant.config
     dev = torch.device(device)
-    pad = _pad_id(model_path)
+    pad = pad_id(model_path)
     base = _cached_model(model_path, dtype, device)  # every role below is a copy of it
     actor_model = wrap(copy.deepcopy(base))
     actor = TorchContext(actor_model, build_optimizer(actor_model.parameters(), cfg.actor.optim),
@@ -118,8 +120,6 @@ class ReferenceBackend:
         executors do (rlaudit/executors). A rank that raised an :class:`InputError` raises it
         here too, as :meth:`replay` would have; any other failure is the group's
         :class:`~rlaudit.errors.RankFailure`."""
-        from rlaudit.backends.launch.pool import run_ranks
-
         try:
             return run_ranks(replay_in_rank, 1, pool=POOL, args=(request, threads),
                              device=request.device, timeout=request.timeout,
@@ -145,8 +145,6 @@ def replay_in_rank(info, request: ReplayRequest, threads: int) -> dict[str, Vari
 def _input_error(failure) -> InputError | None:
     """The :class:`InputError` the one rank of a failed group raised while replaying (its message
     as it was), else None."""
-    import importlib
-
     outcomes = getattr(failure, "outcomes", None) or ()
     if len(outcomes) != 1 or outcomes[0].kind != "raised" or outcomes[0].phase != "fn":
         return None

@@ -36,3 +36,13 @@ def get_backend(name: str):
         return getattr(importlib.import_module(module), cls)()
     except ImportError as e:
         return _Unavailable(name, f"cannot import {module}: {e}")
+
+
+def catalogue_section() -> list[dict]:
+    """The "backends" section of rlaudit.catalogue's name cache: each backend's name and whether
+    it can run here (and why not)."""
+    out = []
+    for name in backend_names():
+        ok, why = get_backend(name).available()
+        out.append({"name": name, "available": ok, "why": why})
+    return out

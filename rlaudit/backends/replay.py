@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from rlaudit.backends.base import Variant, VariantRun
+from rlaudit.backends.probe import ProbeRecorder
 from rlaudit.update import forward_memo
 from rlaudit.update.actor import compute_log_probs
 from rlaudit.update.step import Roles, train_step
@@ -59,7 +60,6 @@ def _replay_variant(make_roles: Callable[[Variant], Roles], variant: Variant, *,
     run = VariantRun(name=variant.name)
     recorder = None
     if getattr(variant, "probe", None) is not None:  # the drift localisation's re-run only
-        from rlaudit.backends.probe import ProbeRecorder
         recorder = ProbeRecorder(variant.probe)
         roles, batch = recorder.attach(roles, batch)
     if record_params:

@@ -13,12 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, env_default
+from rlaudit import switches
+from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args
 from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK
 
 
-#: shown in --help; the library's defaults (rlaudit.targets.fuzz.DEFAULT_BUDGET,
-#: rlaudit.targets.fuzz_run.DEFAULT_RUN_BUDGET) apply when the option is not given, and
+#: shown in --help; the library's defaults (rlaudit.targets.fuzz.stage_fuzz.DEFAULT_BUDGET,
+#: rlaudit.targets.fuzz.train_step.DEFAULT_RUN_BUDGET) apply when the option is not given, and
 #: tests/cli/test_fuzz_cli.py checks that these say the same (no torch import to build --help)
 HELP_BUDGET, HELP_RUN_BUDGET = 60, 80
 
@@ -41,7 +42,7 @@ def add_parser(sub) -> None:
     add_location_args(p, golden=False)
     p.add_argument("--found-dir", default=None,
                    help="where findings are written (default: <scenarios-dir>/found)")
-    p.add_argument("--report-dir", default=env_default("RLAUDIT_REPORTS", DEFAULT_REPORTS),
+    p.add_argument("--report-dir", default=switches.reports_dir(DEFAULT_REPORTS),
                    help="holds the Hypothesis example database, fuzz/hypothesis/ "
                         "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
@@ -49,11 +50,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import torch
+    import torch  # lazy: torch: kept out of CLI start-up (`rlaudit list`, `--help`)
 
-    from rlaudit.executors import process_threads
-    from rlaudit.targets.fuzz import DEFAULT_BUDGET, fuzz_target
-    torch.set_num_threads(process_threads())   # one intra-op thread, as `rlaudit run` (tiny models)
+    from rlaudit.targets.fuzz.stage_fuzz import (  # lazy: hypothesis, torch; only to fuzz
+        DEFAULT_BUDGET, fuzz_target)
+    torch.set_num_threads(switches.threads())  # one intra-op thread, as `rlaudit run` (tiny models)
     found_dir = args.found_dir or str(Path(args.scenarios_dir) / "found")
     budget = DEFAULT_BUDGET if args.budget is None else args.budget
     report = fuzz_target(args.target, stages=args.stages, budget=budget,
@@ -79,9 +80,9 @@ def run(args) -> int:
 def budget_note(budget: int, run_budget: int | None, found: bool) -> str | None:
     """For stderr: a clean result at a budget below the default is weaker than it looks (the
     rarest conditions the defaults were measured against hold in ~10 % of run-level examples;
-    a blind audit's trainer was clean at --run-budget 5 and found at the 12th example)."""
-    from rlaudit.targets.fuzz import DEFAULT_BUDGET
-    from rlaudit.targets.fuzz_run import DEFAULT_RUN_BUDGET
+    a trainer whose bug needs such a condition can pass 5 examples and fail only at the 12th)."""
+    from rlaudit.targets.fuzz.stage_fuzz import DEFAULT_BUDGET  # lazy: hypothesis, torch
+    from rlaudit.targets.fuzz.train_step import DEFAULT_RUN_BUDGET  # lazy: as above
     if found:
         return None
     low = []

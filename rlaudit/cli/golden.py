@@ -3,12 +3,15 @@
     rlaudit golden bless SCENARIO... | --all [--backend B]   regenerate (still exits 1: review);
                                                              refused where the run's own checks fail
     rlaudit golden calibrate SCENARIO --runs N [--write]      propose tolerances from the spread
+    rlaudit golden orphans                                    goldens no scenario has any more
+                                                             (exit 1 if any)
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from rlaudit.cli.common import add_location_args, resolve_scenarios
 from rlaudit.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
@@ -35,14 +38,20 @@ def add_parser(sub) -> None:
                    help="store the proposed tolerances in the golden file")
     add_location_args(c)
     c.set_defaults(func=calibrate)
+    o = gsub.add_parser("orphans", help="list golden files whose scenario is gone (exit 1 if any)")
+    add_location_args(o)
+    o.set_defaults(func=orphans)
 
 
 def bless(args) -> int:
+    # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.console import render_result
+    # lazy: the launcher: only commands that start ranks
     from rlaudit.backends.launch.pool import warm_pools
+    # lazy: torch and the engine: kept out of CLI start-up
     from rlaudit.scenarios.outcome import exit_code, run_isolated
-    from rlaudit.scenarios.result import BLESSED, REFUSED
-    from rlaudit.scenarios.validate import validate_invocation
+    from rlaudit.verdict.result import BLESSED, REFUSED  # lazy: as above
+    from rlaudit.scenarios.validate import validate_invocation  # lazy: as above
     paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
     scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir)
     results = []
@@ -65,13 +74,15 @@ def bless(args) -> int:
 
 
 def calibrate(args) -> int:
-    from pathlib import Path
-
+    # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.calibrate import apply_tolerances, calibrate_scenario
+    # lazy: torch and the engine: kept out of CLI start-up
     from rlaudit.scenarios.golden import golden_path, write_json_atomic
+    # lazy: yaml and the scenario schema: kept out of CLI start-up
     from rlaudit.scenarios.spec import load_scenario
     (path,) = resolve_scenarios([args.scenario], all_=False, scenarios_dir=args.scenarios_dir)
     scn = load_scenario(path)
+    # lazy: the launcher: only commands that start ranks
     from rlaudit.backends.launch.pool import warm_pools
     with warm_pools():  # the runs reuse the ranks, each restored to a fresh rank's state
         proposed = calibrate_scenario(scn, runs=args.runs, backends=args.backends)
@@ -84,4 +95,36 @@ def calibrate(args) -> int:
             return EXIT_BAD_INPUT
         write_json_atomic(gp, apply_tolerances(json.loads(gp.read_text()), proposed))
         print(f"wrote tolerances into {gp}", file=sys.stderr)
+    return 0
+
+
+def orphan_lines(golden_dir: str, scenarios_dir: str) -> list[str]:
+    """One line per golden under ``golden_dir`` whose scenario is not under ``scenarios_dir``."""
+    from rlaudit.scenarios.golden import orphan_goldens  # lazy: imports torch
+    return [f"orphan golden {p.stem} ({p}): no scenario named {p.stem!r} under {scenarios_dir}"
+            for p in orphan_goldens(Path(golden_dir), Path(scenarios_dir))]
+
+
+def orphan_warning(golden_dir: str, scenarios_dir: str) -> str | None:
+    """One line for ``rlaudit run --all``'s stderr when some golden has no scenario, else None."""
+    from rlaudit.scenarios.golden import orphan_goldens  # lazy: imports torch
+    names = [p.stem for p in orphan_goldens(Path(golden_dir), Path(scenarios_dir))]
+    if not names:
+        return None
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return (f"rlaudit: warning: {len(names)} golden file(s) under {golden_dir} have no scenario "
+            f"under {scenarios_dir} ({shown}): see `rlaudit golden orphans`")
+
+
+def orphans(args) -> int:
+    """A golden nothing compares any more (its scenario renamed or deleted) is dead weight that
+    still looks like coverage: name each one, exit 1 if any."""
+    lines = orphan_lines(args.golden_dir, args.scenarios_dir)
+    for line in lines:
+        print(line)
+    if lines:
+        print(f"rlaudit: {len(lines)} orphan golden(s): delete each (git rm), or restore or "
+              "rename its scenario (docs/scenarios.md)", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    print(f"no orphan goldens under {args.golden_dir}", file=sys.stderr)
     return 0

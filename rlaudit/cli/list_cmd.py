@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from rlaudit.cli.common import add_location_args
+from rlaudit.metrics import CATALOGUE
 
 
 def add_parser(sub) -> None:
@@ -19,6 +20,7 @@ def add_parser(sub) -> None:
 def collect(what: str, scenarios_dir: str) -> dict:
     out: dict = {}
     if what in ("all", "scenarios"):
+        # lazy: yaml and the scenario schema: kept out of CLI start-up
         from rlaudit.scenarios.spec import discover, load_scenario
         rows = []
         for path in discover(scenarios_dir):
@@ -29,7 +31,7 @@ def collect(what: str, scenarios_dir: str) -> dict:
         out["scenarios"] = rows
     # from rlaudit.catalogue: cached per source version, so listing imports neither torch nor
     # megatron (the first call after a change computes and caches them)
-    from rlaudit import catalogue
+    from rlaudit import catalogue  # lazy: only `list` reads the catalogue
     if what in ("all", "backends"):
         out["backends"] = catalogue.backends()
     if what in ("all", "invariants"):
@@ -37,7 +39,6 @@ def collect(what: str, scenarios_dir: str) -> dict:
     if what in ("all", "algorithms"):
         out["algorithms"] = catalogue.algorithms()
     if what == "metrics":
-        from rlaudit.metrics import CATALOGUE
         out["metrics"] = [{"name": s.name, "reduction": s.reduction, "doc": s.doc}
                           for s in CATALOGUE.values()]
     return out

@@ -14,8 +14,11 @@ Exit codes: 0 ok, 1 a check failed, 2 bad input or usage.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
+import threading
 
 import rlaudit
 from rlaudit.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, RlauditError
@@ -77,7 +80,6 @@ def entry() -> None:
         # the reader left (`rlaudit list | head`): no traceback, and the exit status of a
         # process that SIGPIPE ended (128 + 13), as `yes | head` gives; stdout goes to /dev/null
         # so the interpreter's final flush cannot raise again
-        import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141
     leave(code)
@@ -90,10 +92,6 @@ def leave(code: int) -> None:
     children) and flush stdout/stderr -- then ``os._exit``. Freeing every module and object of a
     process that holds torch, transformers and MLflow takes 0.15-0.2 s, after the last line is
     printed, on every invocation. Where the interpreter lacks either hook: ``sys.exit``."""
-    import atexit
-    import os
-    import threading
-
     shutdown = getattr(threading, "_shutdown", None)
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
     if shutdown is None or run_exitfuncs is None:

@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: torch and transformers: kept out of CLI start-up
     from rlaudit.rollout.record import RecordSpec, record_to_file
     if not args.out.endswith(".safetensors"):
         raise InputError("expected a path ending in .safetensors", key="--out")

@@ -13,10 +13,12 @@ rlaudit/report/drift.py.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import sys
 from pathlib import Path
 
-from rlaudit.cli.common import DEFAULT_REPORTS, env_default
+from rlaudit import switches
+from rlaudit.cli.common import DEFAULT_REPORTS
 from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
 
 #: invocations compared when no selection is given
@@ -41,7 +43,7 @@ def add_parser(sub) -> None:
                    f"html: <report-dir>/{DEFAULT_HTML})")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: "
                    "$MLFLOW_TRACKING_URI, else the sqlite store under --report-dir)")
-    p.add_argument("--report-dir", default=env_default("RLAUDIT_REPORTS", DEFAULT_REPORTS),
+    p.add_argument("--report-dir", default=switches.reports_dir(DEFAULT_REPORTS),
                    help="where `rlaudit run` put its embedded MLflow store (default: %(default)s)")
     p.add_argument("--experiment", default="rlaudit",
                    help="MLflow experiment (default: %(default)s)")
@@ -64,6 +66,7 @@ def parse_date(text: str, *, end: bool, key: str) -> _dt.datetime:
 
 
 def selection(args):
+    # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.drift import Selection
     if args.until and not args.since:
         raise InputError("--until needs --since", key="--until")
@@ -86,8 +89,7 @@ def selection(args):
 
 def open_store(tracking_uri: str | None, report_dir: Path):
     """An MlflowClient for reading; InputError when there is no store or it cannot be reached."""
-    import os
-
+    # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.mlflow_log import EMBEDDED_DB, preflight, resolve_tracking_uri
     uri, _ = resolve_tracking_uri(tracking_uri, report_dir)
     if not tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI") \
@@ -99,6 +101,7 @@ def open_store(tracking_uri: str | None, report_dir: Path):
     except OSError as e:
         raise InputError(f"cannot reach MLflow at {uri}: {e}", key="--tracking-uri") from None
     try:
+        # lazy: mlflow: 1-2 s import, only `report` needs it
         from mlflow.tracking import MlflowClient
     except ImportError as e:
         raise InputError(f"MLflow is not installed ({e}); pip install 'rlaudit[mlflow]'") from None
@@ -106,9 +109,9 @@ def open_store(tracking_uri: str | None, report_dir: Path):
 
 
 def run(args) -> int:
-    from rlaudit.report import drift
-    from rlaudit.report.mlflow_log import bounded_http
-    from rlaudit.report.render import write_atomic
+    from rlaudit.report import drift  # lazy: report and MLflow modules: kept out of CLI start-up
+    from rlaudit.report.mlflow_log import bounded_http  # lazy: as above
+    from rlaudit.report.render import write_atomic  # lazy: as above
     sel = selection(args)
     report_dir = Path(args.report_dir)
     with bounded_http():

@@ -11,8 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, env_default, resolve_scenarios
+from rlaudit import switches
+from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, resolve_scenarios
+from rlaudit.cli.golden import orphan_warning
 from rlaudit.errors import EXIT_INTERRUPTED
+from rlaudit.heap import importing
+from rlaudit.quiet import third_party_to_log
 
 
 def add_parser(sub) -> None:
@@ -33,7 +37,7 @@ def add_parser(sub) -> None:
                    help="a scenario x backend without a golden to compare against fails the run "
                         "(the nightly job's setting; default: reported as 'no golden', exit 0)")
     add_location_args(p)
-    p.add_argument("--report-dir", default=env_default("RLAUDIT_REPORTS", DEFAULT_REPORTS),
+    p.add_argument("--report-dir", default=switches.reports_dir(DEFAULT_REPORTS),
                    help="where the run report and the embedded MLflow store go "
                         "(default: %(default)s)")
     p.add_argument("--tracking-uri", default=None,
@@ -69,8 +73,8 @@ def argparse_bless_help() -> str:
 
 
 def run(args) -> int:
+    # lazy: the launcher: only commands that start ranks
     from rlaudit.backends.launch.pool import warm_pools
-    from rlaudit.cli.quiet import third_party_to_log
 
     # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
     log = Path(args.report_dir) / "rlaudit.log"
@@ -78,10 +82,11 @@ def run(args) -> int:
         with third_party_to_log(log), warm_pools():
             return _run(args)
     finally:
-        from rlaudit.backends.launch import _start
+        # lazy: the launcher: only commands that start ranks
+        from rlaudit.backends.launch import start
         # no import left running after exit; kept while ranks forked from it run (called
         # in-process by a test session that has pools up, say)
-        _start.stop_forkserver()
+        start.stop_forkserver()
         if log.is_file() and log.stat().st_size:
             print(f"third-party warnings and logs: {log}", file=sys.stderr)
 
@@ -89,18 +94,18 @@ def run(args) -> int:
 def _run(args) -> int:
     plots: dict = {}  # the report's plots, rendered as scenario results come in (_plots_now)
     if args.target:
-        from rlaudit.scenarios.validate import validate_target
-        from rlaudit.targets.runner import run_target
+        from rlaudit.targets.run.runner import run_target  # lazy: torch, engine, backends
+        from rlaudit.targets.run.validate import validate_target  # lazy: as run_target
         paths = (resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
                  if args.scenarios or args.all else [])
         adapter = validate_target(args.target, paths)  # stage signatures, scenario inputs
-        import torch
+        import torch  # lazy: torch: kept out of CLI start-up (`rlaudit list`, `--help`)
 
-        from rlaudit.executors import process_threads
-        torch.set_num_threads(process_threads())        # as for scenarios (RLAUDIT_THREADS)
+        torch.set_num_threads(switches.threads())        # as for scenarios (RLAUDIT_THREADS)
         results = run_target(adapter, scenario_names=args.scenarios, all_=args.all,
                              scenarios_dir=args.scenarios_dir)
         if not args.json:
+            # lazy: report and MLflow modules: kept out of CLI start-up
             from rlaudit.report.console import render_result
             for res in results:
                 print(render_result(res), flush=True)
@@ -109,15 +114,19 @@ def _run(args) -> int:
         if note:
             print(note, file=sys.stderr)
     else:
+        # lazy: torch and the engine: kept out of CLI start-up
         from rlaudit.scenarios.outcome import run_isolated
-        from rlaudit.scenarios.validate import validate_invocation
+        from rlaudit.scenarios.validate import validate_invocation  # lazy: as above
         paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
         _start_rank_imports(args, paths)
         # every input of every scenario, before any runs: exit 2 with all problems, or go
-        from rlaudit.heap import importing
         with importing():  # it imports torch and the engine: no full collections on the way
             scenarios = validate_invocation(paths, backends=args.backends,
                                             golden_dir=args.golden_dir, device=args.device)
+        orphans = orphan_warning(args.golden_dir, args.scenarios_dir) if args.all else None
+        if orphans:  # a golden whose scenario was renamed or deleted compares nothing
+            print(orphans, file=sys.stderr)
+        # lazy: torch and the engine: kept out of CLI start-up
         from rlaudit.executors import make_executor
         results = []
         backends = _with_oracle(args.backends)
@@ -137,6 +146,7 @@ def _run(args) -> int:
                 for scn, res in executor.map(scenarios, run_one):
                     results.append(res)
                     if not args.json:
+                        # lazy: report and MLflow modules: kept out of CLI start-up
                         from rlaudit.report.console import render_result
                         with executor.progress.paused():
                             print(render_result(res), flush=True)
@@ -152,17 +162,19 @@ def _run(args) -> int:
         json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
         print()
     else:
+        # lazy: report and MLflow modules: kept out of CLI start-up
         from rlaudit.report.console import render_summary
         print(render_summary(results))
+    # lazy: torch and the engine: kept out of CLI start-up
     from rlaudit.scenarios.outcome import exit_code
     return exit_code(results, require_golden=args.require_golden)
 
 
 def target_scope_note(scenarios: list[str] | None, all_: bool) -> str | None:
     """What a ``--target`` run left out, for stderr (stdout may be JSON): without names, every
-    shipped scenario; with names, the built-in scenario (a blind audit's trainer that averaged
-    its entropy over tool-output holes was green on four named scenarios, none of which has
-    both, and red on the built-in one). None with ``--all``, which runs everything."""
+    shipped scenario; with names, the built-in scenario (a trainer averaging its entropy over
+    tool-output holes passes every named scenario that lacks either ragged responses or holes,
+    and fails the built-in one, which has both). None with ``--all``, which runs everything."""
     if all_:
         return None
     if not scenarios:
@@ -177,7 +189,7 @@ def target_scope_note(scenarios: list[str] | None, all_: bool) -> str | None:
 def _start_rank_imports(args, paths) -> None:
     """Start the forkserver that CPU warm pools fork their ranks from now, so that its imports
     (torch, transformers, megatron-core: seconds) overlap this process's own loading and
-    validation (rlaudit/backends/launch/_start.py) -- when some scenario will replay on a
+    validation (rlaudit/backends/launch/start.py) -- when some scenario will replay on a
     multi-rank backend on CPU: not with --executor ray or --device cuda, nor for scenarios
     that only name the reference backend (a glance at their files' ``backends`` and ``device``;
     validation proper comes next, and whatever it finds, nothing is lost but this head start)."""
@@ -185,14 +197,14 @@ def _start_rank_imports(args, paths) -> None:
         return
     if not any(_forks_ranks(path, args.backends, args.device) for path in paths):
         return
-    from rlaudit.backends.launch import _start
+    from rlaudit.backends.launch import start  # lazy: the launcher: only commands that start ranks
 
-    if _start.start_method("cpu") == "forkserver":
-        _start.ensure_forkserver()
+    if start.start_method("cpu") == "forkserver":
+        start.ensure_forkserver()
 
 
 def _forks_ranks(path, backends: list[str] | None, device: str | None) -> bool:
-    import yaml
+    import yaml  # lazy: yaml: kept out of CLI start-up
 
     try:
         spec = yaml.safe_load(Path(path).read_text())
@@ -207,8 +219,9 @@ def _forks_ranks(path, backends: list[str] | None, device: str | None) -> bool:
 
 def _warm_report_imports(args) -> None:
     """The report's and MLflow's imports, in the background while ranks work (report/warm.py)."""
+    # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.mlflow_log import resolve_tracking_uri
-    from rlaudit.report.warm import warm_report_imports
+    from rlaudit.report.warm import warm_report_imports  # lazy: as above
 
     uri = None if args.no_mlflow else resolve_tracking_uri(args.tracking_uri,
                                                            Path(args.report_dir))[0]
@@ -219,6 +232,7 @@ def _plots_now(res, plots: dict) -> None:
     """Render ``res``'s report plots now, while later scenarios still run, instead of all of
     them after the last (--all: 14 s). Any problem is left for the report itself to meet."""
     try:
+        # lazy: report and MLflow modules: kept out of CLI start-up
         from rlaudit.report.run_report import scenario_plots
         plots[id(res)] = scenario_plots(res)
     except Exception:  # noqa: BLE001 - _report renders it again and says what went wrong
@@ -228,12 +242,14 @@ def _plots_now(res, plots: dict) -> None:
 def _report(results, args, plots: dict | None = None) -> None:
     """Local report and MLflow logging; neither may lose the audit result if it fails.
     ``plots``: the report's plots rendered already (_plots_now)."""
+    # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.warm import wait_for_warm_imports
 
     wait_for_warm_imports()  # what it imports is imported next: not from two threads at once
     report_dir = Path(args.report_dir)
     paths = None
     try:
+        # lazy: report and MLflow modules: kept out of CLI start-up
         from rlaudit.report.run_report import write_run_report
         paths = write_run_report(results, report_dir, plots)
         print(f"report: {paths[0]}", file=sys.stderr)
@@ -244,6 +260,7 @@ def _report(results, args, plots: dict | None = None) -> None:
     if args.no_mlflow:
         return
     try:
+        # lazy: report and MLflow modules: kept out of CLI start-up
         from rlaudit.report.mlflow_log import log_invocation
     except ImportError as e:
         print(f"rlaudit: warning: MLflow logging unavailable ({e})", file=sys.stderr)

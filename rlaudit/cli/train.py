@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
 
 
 def load_job(path: str):
+    # lazy: torch and transformers: kept out of CLI start-up
     from rlaudit.trainer.trainer import TrainJob
     p = Path(path)
     if not p.exists():
@@ -40,6 +41,7 @@ def load_job(path: str):
 
 
 def run(args) -> int:
+    # lazy: torch and transformers: kept out of CLI start-up
     from rlaudit.trainer.trainer import Trainer
     job = load_job(args.config)
     if args.steps is not None:

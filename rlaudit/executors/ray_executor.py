@@ -13,7 +13,7 @@ What runs where:
   (rlaudit/executors/ray_ranks.py: one placement group per group, a bundle per rank, GPU bundles
   with ``--device cuda``), and the reference backend's replays to one-rank groups of the same
   kind (so a reference replay, too, runs on a cluster node, with the same thread count as a
-  local run: rlaudit.executors.DEFAULT_THREADS);
+  local run: rlaudit.switches.DEFAULT_THREADS);
 - scenarios run concurrently, as many as the cluster has room for two-rank groups (a local
   cluster: one at a time per two cores), each scenario's backends in order.
 
@@ -32,8 +32,11 @@ import logging
 import os
 from typing import Callable, Iterator
 
-from rlaudit.backends.launch import pool as pool_mod
+from rlaudit import switches
+from rlaudit.backends.launch import pool
 from rlaudit.executors.progress import Progress
+from rlaudit.executors.ray_ranks import RayPoolSet
+from rlaudit.quiet import quiet_loggers
 
 #: Logical CPUs a local Ray cluster gets beyond the machine's cores (see the module docstring).
 LOCAL_EXTRA_CPUS = 4
@@ -55,15 +58,10 @@ class RayExecutor:
 
     def __enter__(self) -> "RayExecutor":
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        import ray
+        import ray  # lazy: optional (only --executor ray needs it), 1-2 s import
         import torch
 
-        from rlaudit.cli.quiet import quiet_loggers
-        from rlaudit.executors.ray_ranks import RayPoolSet
-
-        from rlaudit.executors import process_threads
-
-        self._threads = process_threads()  # the reference replays' threads, as in-process
+        self._threads = switches.threads()  # the reference replays' threads, as in-process
         torch.set_num_threads(self._threads)  # and the driver's checks
         quiet_loggers()
         if not ray.is_initialized():
@@ -74,20 +72,17 @@ class RayExecutor:
             self._started_ray = True
         quiet_loggers()
         self.pools = RayPoolSet()
-        with pool_mod._ACTIVE_LOCK:
-            pool_mod._ACTIVE.append(self.pools)  # run_ranks now reaches Ray
+        pool.activate(self.pools)  # run_ranks now reaches Ray
         unit = "GPU" if self.gpu else "CPU"
         room = ray.cluster_resources().get(unit, 1) if self.address else (os.cpu_count() or 1)
         self.progress.parallel = max(1, int(room // 2))
         return self
 
     def __exit__(self, *exc) -> None:
-        import ray
+        import ray  # lazy: optional (only --executor ray needs it)
 
         self.progress.close()
-        with pool_mod._ACTIVE_LOCK:
-            if self.pools in pool_mod._ACTIVE:
-                pool_mod._ACTIVE.remove(self.pools)
+        pool.deactivate(self.pools)
         self.pools.close()
         if self._started_ray:
             ray.shutdown()

@@ -20,6 +20,7 @@ backends' ``run_ranks`` calls reach Ray unchanged while the Ray executor holds i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -31,9 +32,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rlaudit.backends.launch import _describe, _pickle_payload
-from rlaudit.backends.launch._group import FAILURE_GRACE_S, STARTUP_TIMEOUT_S
-from rlaudit.backends.launch._report import RankOutcome, failure_message, order_outcomes
+from rlaudit.backends.launch import rendezvous
+from rlaudit.backends.launch.common import RankInfo
+from rlaudit.backends.launch.launcher import describe_fn, pickle_payload
+from rlaudit.backends.launch.outcomes import RankOutcome, failure_message, order_outcomes
+from rlaudit.backends.launch.pool_worker import ProcessState
+from rlaudit.backends.launch.rank_group import FAILURE_GRACE_S, STARTUP_TIMEOUT_S
+from rlaudit.backends.launch.worker import is_peer_lost
 from rlaudit.errors import RankFailure
 
 #: How long a new group may wait for its placement group before an idle group of another key is
@@ -50,7 +55,7 @@ class RankActor:
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                            "OMP_NUM_THREADS": str(threads)})
-        import torch
+        import torch  # lazy: the Ray worker imports torch only after OMP_NUM_THREADS is set
 
         torch.set_num_threads(threads)
         self.rank, self.world_size, self.device_type = rank, world_size, device
@@ -61,19 +66,14 @@ class RankActor:
 
     def host_store(self, timeout_s: float) -> int:
         """Rank 0: start the group's TCP store on this node's loopback; return its port."""
-        from rlaudit.backends.launch import _rendezvous
-
         # bound to loopback only: torch's own store would listen on every interface
-        self._store = _rendezvous.rendezvous_store(_rendezvous.LOOPBACK, timeout=timeout_s)
+        self._store = rendezvous.rendezvous_store(rendezvous.LOOPBACK, timeout=timeout_s)
         return self._store.port
 
     def join(self, port: int, timeout_s: float) -> int:
         """Initialise the default process group from rank 0's store; return this process's pid."""
-        import torch
-        import torch.distributed as dist
-
-        from rlaudit.backends.launch._common import RankInfo
-        from rlaudit.backends.launch._pool_worker import ProcessState
+        import torch  # lazy: the Ray worker imports torch only after OMP_NUM_THREADS is set
+        import torch.distributed as dist  # lazy: as torch
 
         timeout = timedelta(seconds=timeout_s)
         device = torch.device("cpu")
@@ -82,9 +82,8 @@ class RankActor:
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
             device_id = device if self.backend == "nccl" else None
-        from rlaudit.backends.launch import _rendezvous
         # the group's gloo/NCCL sockets on the node's loopback, like its store
-        os.environ.update(_rendezvous.rank_socket_env(_rendezvous.LOOPBACK, backend=self.backend))
+        os.environ.update(rendezvous.rank_socket_env(rendezvous.LOOPBACK, backend=self.backend))
         store = self._store or dist.TCPStore("127.0.0.1", port, self.world_size, is_master=False,
                                              timeout=timeout)
         dist.init_process_group(self.backend, store=store, rank=self.rank,
@@ -96,8 +95,6 @@ class RankActor:
 
     def run(self, payload: bytes, tmpdir: str) -> Any:
         """Run one task; restore the process state; return the result."""
-        import dataclasses
-
         scratch = Path(tmpdir)
         scratch.mkdir(parents=True, exist_ok=True)  # ranks share a node: one folder for all
         fn, args, kwargs = pickle.loads(payload)
@@ -111,7 +108,7 @@ class RankActor:
 
 
 def _actor_class():
-    import ray
+    import ray  # lazy: optional (only --executor ray needs it), 1-2 s import
 
     return ray.remote(RankActor)
 
@@ -123,8 +120,8 @@ class RayGroup:
         self.pg, self.actors, self.pids = pg, actors, pids
 
     def run(self, payload: bytes, fn_name: str, timeout: float) -> list[Any]:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        import ray  # lazy: optional (only --executor ray needs it)
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError  # lazy: as ray
 
         tmpdir = os.path.join(tempfile.gettempdir(), f"rlaudit-ray-{uuid.uuid4().hex[:12]}")
         refs = [a.run.remote(payload, tmpdir) for a in self.actors]
@@ -164,8 +161,8 @@ class RayGroup:
         raise exc
 
     def kill(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
+        import ray  # lazy: optional (only --executor ray needs it)
+        from ray.util.placement_group import remove_placement_group  # lazy: as ray
 
         for a in self.actors:
             try:
@@ -179,8 +176,6 @@ class RayGroup:
 
 
 def _raised(rank: int, e) -> RankOutcome:
-    from rlaudit.backends.launch._worker import is_peer_lost
-
     cause = getattr(e, "cause", None) or e
     return RankOutcome(rank, "raised", time.time(), phase="fn",
                        exc_type=f"{type(cause).__module__}.{type(cause).__qualname__}",
@@ -239,9 +234,10 @@ class RayPoolSet:
             self._cond.notify_all()
 
     def _create(self, key: tuple, torch_timeout: float) -> RayGroup | None:
+        # lazy: ray is optional (only --executor ray needs it)
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import placement_group, remove_placement_group  # lazy: ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: ray
 
         name, world, device, backend, threads, env = key
         bundle = {"CPU": 1, **({"GPU": 1} if device == "cuda" else {})}
@@ -281,12 +277,12 @@ class _Handle:
 
     def run(self, fn: Callable[..., Any], *, args: tuple = (),
             kwargs: Mapping[str, Any] | None = None, timeout: float = 300.0) -> list[Any]:
-        payload = _pickle_payload(fn, args, kwargs)
+        payload = pickle_payload(fn, args, kwargs)
         group = self._pools.acquire(self._key, self._torch_timeout)
         with self._pools._cond:
             self._pools.tasks += 1
         try:
-            results = group.run(payload, _describe(fn), timeout)
+            results = group.run(payload, describe_fn(fn), timeout)
         except BaseException:
             with self._pools._cond:
                 self._pools.failed += 1

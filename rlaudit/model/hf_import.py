@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import sys
 
+from rlaudit.heap import importing
+
 #: the transformers module that imports scikit-learn, and transformers' cached check of it
 SKLEARN_USER = "transformers.generation.candidate_generator"
 SKLEARN_CHECK = "is_sklearn_available"
@@ -48,7 +50,6 @@ def import_model_code() -> bool:
     if all(module in sys.modules or package in sys.modules
            for package, module in (("sklearn", SKLEARN_USER), ("scipy", SCIPY_USER))):
         return False
-    from rlaudit.heap import importing
 
     with importing():  # most of transformers: no full collections on the way (rlaudit/heap.py)
         hidden = _import_without_sklearn()
@@ -74,6 +75,7 @@ def _import_hiding(package: str, module: str, check: str, *, ask_again: bool) ->
     ``ask_again``) transformers has no such cached check (another release)."""
     if module in sys.modules or package in sys.modules:
         return False
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from transformers.utils import import_utils
 
     cached = getattr(import_utils, check, None)

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from rlaudit.errors import InputError
+from rlaudit.model.exact import exact_float64
+from rlaudit.model.hf_import import import_model_code
 from rlaudit.stamps import file_stamps
 
 CONFIG_FILE = "config.json"
@@ -102,11 +104,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     folder = _folder(path)
     _read_config(folder)
     weight_files(folder)
-    from rlaudit.model.hf_import import import_model_code
 
     import_model_code()  # without scikit-learn's second of imports (see hf_import)
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from transformers import AutoModelForCausalLM  # after the checks: errors come fast
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # lazy: as above
 
     # no "Loading weights" bars: noise in every rank's log, and tqdm's multiprocessing lock
     # leaks a semaphore from every spawned rank (ranks leave with os._exit)
@@ -127,7 +129,6 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         raise InputError(f"weights do not match config.json ({detail})", source=str(folder))
     model = model.to(device).eval()
     if dtype == torch.float64:
-        from rlaudit.model.exact import exact_float64
         exact_float64(model)
     return model
 
@@ -153,9 +154,9 @@ def load_tokenizer(path: str | Path):
         raise InputError(f"malformed JSON: {err}", source=str(tok_config)) from None
     generic = (isinstance(declared, dict) and (folder / TOKENIZER_FILES[0]).is_file()
                and declared.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES)
-    from rlaudit.model.hf_import import import_model_code
 
     import_model_code()  # AutoTokenizer brings the model code too (see hf_import)
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     loader = PreTrainedTokenizerFast if generic else AutoTokenizer

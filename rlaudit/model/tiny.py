@@ -29,13 +29,16 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import rlaudit
 from rlaudit.errors import InputError
+from rlaudit.model.hf_import import import_model_code
 
 ARCHS = ("qwen2", "llama")
 NUM_BYTES = 256
@@ -92,8 +95,9 @@ def build_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE):
     to ``vocab_size`` (so ``len(tokenizer) == vocab_size``). ``encode(text)`` returns exactly
     ``list(text.encode("utf-8"))``; ``decode`` is lossy only for byte sequences that are not UTF-8.
     """
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: as above
 
     if vocab_size < NUM_BASE_TOKENS:
         raise InputError(f"must be >= {NUM_BASE_TOKENS} (256 bytes + pad, bos, eos), got "
@@ -121,6 +125,7 @@ def tiny_config(arch: str, **overrides: Any):
     ``overrides`` are HF config keys (``num_hidden_layers=4``, ``vocab_size=272``, ...); the
     convenience key ``rope_theta`` sets ``rope_parameters``. Unknown keys raise :class:`InputError`.
     """
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from transformers import LlamaConfig, Qwen2Config
 
     classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
@@ -165,9 +170,8 @@ def build_tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
     and then cast, so the float64 model holds exactly the float32 weights). The caller's global
     RNG state is left untouched. Attention is ``"eager"`` (see :mod:`rlaudit.model.load`).
     """
-    from rlaudit.model.hf_import import import_model_code
-
     import_model_code()  # before transformers' model classes (see hf_import)
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, **overrides)
@@ -196,9 +200,7 @@ def save_snapshot(out_dir: str | Path, arch: str, *, seed: int = 0, **overrides:
     rlaudit/torch/transformers versions). Re-running with the same arguments rewrites identical
     weights.
     """
-    import transformers
-
-    import rlaudit
+    import transformers  # lazy: transformers: 2 s import, only where a model is built or loaded
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -225,11 +227,8 @@ def save_blend(out_dir: str | Path, start: str | Path, towards: str | Path, alph
     ``start`` itself. ``rlaudit_snapshot.json`` records both sources, alpha and the weights'
     sha256. Deterministic: the same inputs give identical bytes.
     """
-    import shutil
-
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from safetensors.torch import load_file, save_file
-
-    import rlaudit
 
     start, towards, out = Path(start), Path(towards), Path(out_dir)
     if not 0 < alpha < 1:

@@ -28,7 +28,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rlaudit.backends import memo
 from rlaudit.errors import CheckFailed, InputError
+from rlaudit.metrics import golden_names
+from rlaudit.scenarios import engine
+from rlaudit.scenarios.golden import backend_key
+from rlaudit.scenarios.spec import Scenario, load_scenario
 
 #: the max deviation of a handful of repeats underestimates the true spread; x5 keeps false
 #: alarms rare while still catching a real change (a bug moves metrics by far more)
@@ -90,21 +95,15 @@ def calibrate_scenario(scenario, *, runs: int, backends: list[str] | None = None
     Returns {"scenario", "runs", "safety", "backends": {"<backend>@<device>": {metric: tol}},
     "tolerances": {metric: tol}} where "tolerances" takes each metric's loosest rtol and atol
     over the backends (one golden file serves them all)."""
-    from rlaudit.metrics import golden_names
-    from rlaudit.scenarios.engine import run_scenario
-    from rlaudit.scenarios.golden import backend_key
-    from rlaudit.scenarios.spec import Scenario, load_scenario
-
     if runs < 2:
         raise InputError(f"--runs must be at least 2 to measure a spread, got {runs}",
                          key="--runs")
     scn = scenario if isinstance(scenario, Scenario) else load_scenario(Path(scenario))
     base_only = dataclasses.replace(scn, invariants=[])
     repeats: dict[str, list[list[dict[str, float]]]] = {}
-    from rlaudit.backends import memo
     for k in range(runs):
         with memo.disabled():   # a repeat is a measurement: never the first run's memoised copy
-            res = run_scenario(base_only, backends=backends, golden_dir=None)
+            res = engine.run_scenario(base_only, backends=backends, golden_dir=None)
         if res.errors:
             b, err = next(iter(res.errors.items()))
             raise CheckFailed(f"{scn.name}: backend {b} failed in repeat {k + 1}/{runs}: "

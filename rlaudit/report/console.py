@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlaudit.report.localise_view import console_lines
-from rlaudit.scenarios.result import PASSED, STATES, STATUS_ORDER, ScenarioResult
+from rlaudit.verdict.result import PASSED, STATES, STATUS_ORDER, ScenarioResult
 
 SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR", "differs": "differs"}
 GOLDEN_SYMBOL = {"pass": "pass", "fail": "FAIL", "stale": "STALE", "no golden": "no golden",

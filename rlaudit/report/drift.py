@@ -37,7 +37,7 @@ import pandas as pd
 from rlaudit.errors import InputError
 from rlaudit.metrics import CATALOGUE, golden_bound
 from rlaudit.report import render as R
-from rlaudit.report.mlflow_log import INVOCATION, KIND_TAG, SCENARIO
+from rlaudit.report.mlflow_content import INVOCATION, KIND_TAG, SCENARIO
 
 FLAGGED = ("out-of-bounds", "drift", "missing")
 #: last-resort tolerance for a run without golden tolerances nor a known dtype (float32's)
@@ -96,7 +96,7 @@ def _search(client, exp_id: str, filter_string: str, *, order: str = "ASC",
 
 def _resolve_run(client, exp_id: str, ref: str):
     """A parent run by id or run name; a child run's id resolves to its invocation."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow only when reading runs
     if re.fullmatch(r"[0-9a-f]{32}", ref):
         try:
             run = client.get_run(ref)

@@ -6,8 +6,8 @@
   one fails ("duplicate column name: step", "table ... already exists") and the store is left
   half-migrated, so every later run fails too. Opening an existing store takes the same lock, so
   nobody opens a store that is still being created.
-- :func:`probe`: an http(s) tracking server must answer one request within
-  :data:`PROBE_TIMEOUT_S`, not merely accept the connection (a hung server used to cost ~48 s of
+- :func:`ping`: an http(s) tracking server must answer one request within
+  :data:`PING_TIMEOUT_S`, not merely accept the connection (a hung server used to cost ~48 s of
   per-request timeouts and retries).
 - :class:`RetryBudget` / :class:`BudgetedClient`: MLflow's per-request retries are off; every
   client call of an invocation shares :data:`RETRY_BUDGET` retry(ies) in total.
@@ -26,8 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
-#: seconds an http(s) server gets to answer the probe request (connection included)
-PROBE_TIMEOUT_S = 5.0
+#: seconds an http(s) server gets to answer the ping request (connection included)
+PING_TIMEOUT_S = 5.0
 #: retries of failed MLflow calls per invocation, all calls together
 RETRY_BUDGET = 1
 #: seconds between a failed call and its retry
@@ -52,7 +52,7 @@ def open_store_lock(uri: str) -> Iterator[None]:
     if db is None:
         yield
         return
-    import fcntl
+    import fcntl  # lazy: POSIX only; only a local sqlite store takes this lock
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as lock:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
@@ -81,7 +81,7 @@ def store_missing(db: Path) -> bool:
 def _create_sqlite_store(db: Path) -> None:
     """Create and migrate a sqlite store in a temporary file beside ``db``, then rename it into
     place: a crash part-way leaves no half-migrated store behind."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow is slow to import; only logging needs it
     tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
     try:
         MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
@@ -90,11 +90,11 @@ def _create_sqlite_store(db: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def probe(uri: str, *, timeout: float | None = None) -> None:
+def ping(uri: str, *, timeout: float | None = None) -> None:
     """Raise OSError unless an http(s) server at ``uri`` answers a request within ``timeout``
-    seconds (default :data:`PROBE_TIMEOUT_S`, read at each call). Any HTTP answer counts (even
-    401 or 404); other schemes are not probed."""
-    timeout = PROBE_TIMEOUT_S if timeout is None else timeout
+    seconds (default :data:`PING_TIMEOUT_S`, read at each call). Any HTTP answer counts (even
+    401 or 404); other schemes are not pinged."""
+    timeout = PING_TIMEOUT_S if timeout is None else timeout
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme not in ("http", "https"):
         return

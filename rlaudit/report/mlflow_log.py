@@ -22,7 +22,7 @@ Where it logs: ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the embedde
 ``sqlite:///<report_dir>/mlflow.db`` with artifacts under ``<report_dir>/mlartifacts``.
 
 MLflow failing (bad URI, server down or hung, permissions) never raises: the outcome says what
-could not be logged. A server must answer a probe request within a few seconds; HTTP requests
+could not be logged. A server must answer a ping request within a few seconds; HTTP requests
 are bounded by a timeout; all calls of an invocation share one retry; a fresh sqlite store is
 created under a file lock (rlaudit.report.mlflow_guard).
 """
@@ -43,18 +43,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 from urllib.parse import urlparse
 
-from rlaudit.report import localise_view
-from rlaudit.scenarios.result import STATUS_ORDER, ScenarioResult
+from rlaudit.report import localise_view, run_report
+from rlaudit.report.mlflow_content import (INVOCATION, KIND_TAG, MAX_TAG_VALUE, child_metrics,
+                                           child_params, child_tags, reference_backend,
+                                           sanitize_key, token_diffs, write_frame)
+from rlaudit.report.mlflow_guard import BudgetedClient, RetryBudget, open_store_lock, ping
+from rlaudit.verdict.result import ScenarioResult
 
 EMBEDDED_DB = "mlflow.db"
 EMBEDDED_ARTIFACTS = "mlartifacts"
 DEFAULT_EXPERIMENT = "rlaudit"
-KIND_TAG, INVOCATION, SCENARIO = "rlaudit.kind", "invocation", "scenario"
-#: metric-key prefixes of the golden comparison rows (``golden_drift/actor/pg_loss``)
-GOLDEN_PREFIXES = ("golden", "golden_drift", "golden_rtol", "golden_atol")
 #: SQL stores need an explicit artifact location (a file: tracking store is refused by MLflow 3)
 DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
@@ -68,10 +69,6 @@ HTTP_MAX_RETRIES = 0
 HTTP_BACKOFF_FACTOR = 1
 #: MLflow's per-request limits for log_batch
 BATCH_METRICS, BATCH_PARAMS_TAGS = 1000, 100
-#: MLflow's limits on key, param-value and tag-value length
-MAX_KEY, MAX_PARAM_VALUE, MAX_TAG_VALUE = 250, 6000, 8000
-#: cap on token-diff rows per child run (~25 MB of parquet): beyond it variants are left out
-MAX_DIFF_ROWS = 2_000_000
 #: seconds `git rev-parse` may take (a network filesystem can stall)
 GIT_TIMEOUT_S = 5
 
@@ -150,144 +147,6 @@ def git_revision(cwd: Path | None = None) -> str | None:
     return rev if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{7,64}", rev) else None
 
 
-# ---- what to log -------------------------------------------------------------------------------
-
-def sanitize_key(name: str) -> str:
-    """A valid MLflow key: letters, digits, ``_ - . / space`` (``:`` is refused on Windows, so
-    replaced too), no empty/``.``/``..`` path segments, at most MAX_KEY characters."""
-    key = re.sub(r"[^/\w.\- ]", "_", str(name))
-    key = "/".join(s for s in key.split("/") if s not in ("", ".", ".."))
-    return key[:MAX_KEY] or "_"
-
-
-def backend_status(res: ScenarioResult, backend: str) -> dict[str, str]:
-    """invariant -> worst status of its checks on ``backend`` (checks on ``*`` apply to all)."""
-    out: dict[str, str] = {}
-    order = STATUS_ORDER
-    for c in res.checks:
-        if c.backend not in (backend, "*"):
-            continue
-        name = "backend" if c.invariant == "*" else c.invariant
-        prev = out.get(name)
-        if prev is None or order.index(c.status) < order.index(prev):
-            out[name] = c.status
-    return out
-
-
-def child_params(res: ScenarioResult, backend: str, git: str | None) -> dict[str, str]:
-    params: dict[str, Any] = {"scenario": res.scenario, "backend": backend,
-                              "scenario_path": res.path, "dtype": res.dtype, "device": res.device}
-    params.update({f"layout.{k}": v for k, v in res.layouts.get(backend, {}).items()})
-    params.update({f"provenance.{k}": v for k, v in res.provenance.items()})
-    if git:
-        params["git_revision"] = git
-    for k, v in res.config.items():
-        params.setdefault(k, v)
-    return {sanitize_key(k): ("None" if v is None else str(v))[:MAX_PARAM_VALUE]
-            for k, v in params.items()}
-
-
-def child_tags(res: ScenarioResult, backend: str, parent_id: str, git: str | None,
-               extra: dict[str, Any]) -> dict[str, str]:
-    golden = {g.backend: g.status for g in res.golden}
-    tags: dict[str, Any] = {**extra, KIND_TAG: SCENARIO, "mlflow.parentRunId": parent_id,
-                            "rlaudit.invocation": parent_id, "rlaudit.scenario": res.scenario,
-                            "rlaudit.backend": backend, "rlaudit.passed": str(res.passed).lower(),
-                            "rlaudit.state": res.state,
-                            "rlaudit.tags": ",".join(res.tags),
-                            "golden": golden.get(backend, "none")}
-    if res.input_error:
-        tags["input_error"] = res.input_error
-    if git:
-        tags["mlflow.source.git.commit"] = git
-    for name, status in backend_status(res, backend).items():
-        tags[f"invariant.{name}"] = status
-    for c in res.checks:
-        if c.backend in (backend, "*") and c.status in ("fail", "error", "differs") and c.message:
-            name = "backend" if c.invariant == "*" else c.invariant
-            tags[f"invariant.{name}.message"] = c.message
-    if backend in res.errors:
-        tags["error"] = res.errors[backend][-MAX_TAG_VALUE:]
-    return {sanitize_key(k): str(v)[:MAX_TAG_VALUE] for k, v in tags.items()}
-
-
-def child_metrics(res: ScenarioResult, backend: str) -> list[tuple[str, float, int]]:
-    """(key, value, step): per-step metrics, then the golden rows of this backend."""
-    out = []
-    for step, metrics in enumerate(res.metrics.get(backend, [])):
-        out += [(sanitize_key(k), float(v), step) for k, v in metrics.items() if v is not None]
-    for g in res.golden:
-        if g.backend != backend:
-            continue
-        for r in g.rows:
-            m = r["metric"]
-            for prefix, field in zip(GOLDEN_PREFIXES, ("golden", "drift", "rtol", "atol")):
-                if r.get(field) is not None:
-                    out.append((sanitize_key(f"{prefix}/{m}"), float(r[field]), int(r["step"])))
-    return out
-
-
-def reference_backend(res: ScenarioResult) -> str | None:
-    """The backend token diffs are taken against: ``reference`` when it ran, else the first."""
-    ran = [b for b in res.backends if b in res.runs]
-    return "reference" if "reference" in ran else (ran[0] if ran else None)
-
-
-def token_diffs(res: ScenarioResult, backend: str, reference: str, *,
-                max_rows: int = MAX_DIFF_ROWS):
-    """Long DataFrame (variant, tensor, row, token, value, reference, diff = value - reference)
-    over every per-token tensor both backends recorded with the same shape; ``None`` when there
-    is nothing to compare. Returns (frame, truncated: some tensors left out over ``max_rows``)."""
-    import numpy as np
-    import pandas as pd
-    # one frame at the end from concatenated columns: a DataFrame per (variant, tensor) cost
-    # 0.2 s per backend and scenario (hundreds of small frames), all of it after the replays
-    labels, counts, cols, rows, truncated = [], [], [], 0, False
-    mine, theirs = res.runs.get(backend, {}), res.runs.get(reference, {})
-    variants = sorted(set(mine) & set(theirs), key=lambda v: (v != "base", v))
-    for variant in variants:
-        mask = theirs[variant].tokens.get("response_mask")
-        for name in sorted(set(mine[variant].tokens) & set(theirs[variant].tokens)):
-            a, b = mine[variant].tokens[name], theirs[variant].tokens[name]
-            if name == "response_mask" or a.shape != b.shape or a.dim() == 0:
-                continue
-            a = a.detach().cpu().double().reshape(a.shape[0], -1).numpy()
-            b = b.detach().cpu().double().reshape(b.shape[0], -1).numpy()
-            if rows + a.size > max_rows:
-                truncated = True
-                continue
-            rows += a.size
-            n_rows, n_tok = a.shape
-            part = (np.repeat(np.arange(n_rows, dtype=np.int32), n_tok),
-                    np.tile(np.arange(n_tok, dtype=np.int32), n_rows),
-                    a.ravel(), b.ravel(), (a - b).ravel())
-            if mask is not None and tuple(mask.shape) == (n_rows, n_tok):
-                keep = mask.reshape(-1).numpy().astype(bool)  # only real response tokens
-                part = tuple(col[keep] for col in part)
-            labels.append((variant, name))
-            counts.append(len(part[0]))
-            cols.append(part)
-    if not cols:
-        return None, truncated
-    label = lambda k: pd.Categorical(np.repeat(np.array([x[k] for x in labels], dtype=object),
-                                               counts))
-    df = pd.DataFrame({"variant": label(0), "tensor": label(1),
-                       **{c: np.concatenate([p[k] for p in cols])
-                          for k, c in enumerate(("row", "token", "value", "reference", "diff"))}})
-    return df, truncated
-
-
-def write_frame(df, path_stem: Path) -> Path:
-    """Parquet when pyarrow/fastparquet is installed, else gzip CSV (mlflow-skinny lacks both)."""
-    try:
-        path = path_stem.with_suffix(".parquet")
-        df.to_parquet(path, index=False)
-    except ImportError:
-        path = path_stem.with_suffix(".csv.gz")
-        df.to_csv(path, index=False)
-    return path
-
-
 # ---- logging -----------------------------------------------------------------------------------
 
 class _Progress:
@@ -302,7 +161,7 @@ class _Progress:
 
 
 def _experiment_id(client, name: str, artifact_location: str | None) -> str:
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow only when logging
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
@@ -318,7 +177,7 @@ def _experiment_id(client, name: str, artifact_location: str | None) -> str:
 
 
 def _log_batch(client, run_id: str, *, metrics=(), params=None, tags=None) -> None:
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param, RunTag  # lazy: mlflow only when logging
     now = int(time.time() * 1000)
     ms = [Metric(k, v, now, s) for k, v, s in metrics]
     for i in range(0, len(ms), BATCH_METRICS):
@@ -332,7 +191,6 @@ def _log_batch(client, run_id: str, *, metrics=(), params=None, tags=None) -> No
 
 def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
          report_files: list[Path] | None) -> None:
-    from rlaudit.report.run_report import build_run_report
     prog.stage = "creating the parent run"
     parent_tags = {**extra_tags, KIND_TAG: INVOCATION,
                    "rlaudit.passed": str(bool(results) and all(r.passed for r in results)).lower(),
@@ -392,7 +250,7 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
                     dest.parent.mkdir(exist_ok=True)
                     shutil.copyfile(f, dest)
             except OSError:  # not given, or replaced meanwhile by a concurrent invocation's
-                build_run_report(results, rep)
+                run_report.build_run_report(results, rep)
         except Exception as e:  # a plotting/file problem must not cost the run its results.json
             prog.notes.append(f"report not attached ({type(e).__name__}: {e})")
         (rep / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1,
@@ -417,7 +275,6 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
 
     ``report_files``: the paths ``write_run_report`` returned for these results, attached as
     they are; without it the report is rendered again into a temporary directory."""
-    from rlaudit.report.mlflow_guard import BudgetedClient, RetryBudget, open_store_lock, probe
     uri, artifact_location = resolve_tracking_uri(tracking_uri, Path(report_dir))
     prog = _Progress()
     client = None
@@ -426,9 +283,9 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
     try:
         with bounded_http():
             preflight(uri)
-            probe(uri)
+            ping(uri)
             prog.stage = "importing mlflow"
-            from mlflow.tracking import MlflowClient
+            from mlflow.tracking import MlflowClient  # lazy: mlflow only when logging
             prog.stage = "opening the tracking store"
             with open_store_lock(uri):
                 client = BudgetedClient(MlflowClient(tracking_uri=uri), budget)

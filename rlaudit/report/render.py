@@ -168,9 +168,9 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def pyplot():
     """matplotlib.pyplot on the off-screen Agg backend (no display on CI machines)."""
-    import matplotlib
+    import matplotlib  # lazy: slow to import; only a report with plots needs it
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: see matplotlib above
     return plt
 
 

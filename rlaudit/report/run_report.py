@@ -17,8 +17,8 @@ from rlaudit.metrics import golden_bound, golden_names
 from rlaudit.report import localise_view as LV
 from rlaudit.report import render as R
 from rlaudit.report import svg
-from rlaudit.scenarios.result import STATUS_ORDER as RESULT_STATUS_ORDER
-from rlaudit.scenarios.result import (FAILED, NO_GOLDEN_STATE, PASSED, STATES, ScenarioResult)
+from rlaudit.verdict.result import STATUS_ORDER as RESULT_STATUS_ORDER
+from rlaudit.verdict.result import (FAILED, NO_GOLDEN_STATE, PASSED, STATES, ScenarioResult)
 
 #: scenario state -> badge/cell CSS class
 STATE_CLASS = {"passed": "ok", "no golden": "warn", "blessed": "warn", "failed": "bad",

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import threading
 
+from rlaudit.heap import importing
+
 _lock = threading.Lock()
 _thread: threading.Thread | None = None  # the background imports, once started
 
@@ -47,24 +49,23 @@ def wait_for_warm_imports(timeout: float | None = None) -> None:
 
 
 def _imports(mlflow_uri: str | None) -> None:
-    from rlaudit.heap import importing
-
     with importing():  # no full collections on the way (rlaudit/heap.py)
         _import_all(mlflow_uri)
 
 
 def _import_all(mlflow_uri: str | None) -> None:
     try:
+        # lazy: importing these off the caller's thread is this module's whole job
         from rlaudit.report import run_report  # noqa: F401
 
         if mlflow_uri is None:
             return
-        import mlflow.entities  # noqa: F401
-        import mlflow.tracking  # noqa: F401
-
-        from rlaudit.report.mlflow_log import is_database_uri
+        import mlflow.entities  # noqa: F401  # lazy: warmed off the main thread
+        import mlflow.tracking  # noqa: F401  # lazy: warmed off the main thread
+        from rlaudit.report.mlflow_log import is_database_uri  # lazy: warmed off the main thread
 
         if is_database_uri(mlflow_uri):
+            # lazy: warmed off the main thread, for a database store only
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
         _create_missing_store(mlflow_uri)
     except Exception:  # noqa: BLE001 - the report / MLflow logging meets it and says so
@@ -77,6 +78,7 @@ def _create_missing_store(mlflow_uri: str) -> None:
     into place): MLflow's ~50 migrations cost ~1.3 s on one core, at the end of a first run
     otherwise. An existing store, or any other, is left alone (nothing is opened, no server is
     contacted); a failure is left for the logging to meet."""
+    # lazy: runs on the warming thread, like every import here
     from rlaudit.report.mlflow_guard import open_store_lock, sqlite_path, store_missing
 
     db = sqlite_path(mlflow_uri)

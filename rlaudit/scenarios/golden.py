@@ -39,15 +39,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+import yaml
 
 import rlaudit
-from rlaudit.config import Config, flatten, to_dict
+from rlaudit.config import Config
 from rlaudit.data.io import rollout_sha256
+from rlaudit.dicts import flatten, to_dict
+from rlaudit.errors import InputError
 from rlaudit.metrics import golden_bound, golden_names
 from rlaudit.model.load import snapshot_id
-from rlaudit.scenarios.result import (BLESSED, GOLDEN_FAIL, GOLDEN_PASS, NO_GOLDEN, REFUSED, STALE,
-                                      GoldenResult)
-from rlaudit.scenarios.spec import Scenario, Tolerance
+from rlaudit.scenarios.spec import Scenario, discover
+from rlaudit.verdict.result import (BLESSED, GOLDEN_FAIL, GOLDEN_PASS, NO_GOLDEN, REFUSED, STALE,
+                                    GoldenResult)
+from rlaudit.verdict.tolerance import Tolerance
 
 #: golden tolerances by dtype, looser than same-machine parity: goldens travel across BLAS
 #: builds and CPUs, where summation order differs
@@ -71,6 +75,27 @@ def golden_path(golden_dir: Path, scn: Scenario) -> Path:
 
 def obtained_path(golden_dir: Path, scn: Scenario) -> Path:
     return golden_dir / f"{scn.name}.obtained.json"
+
+
+def scenario_name(path: Path) -> str:
+    """The name a scenario file's golden is filed under: its ``name`` key, else its file stem
+    (as :func:`rlaudit.scenarios.spec.scenario_from_dict` reads it, without validating the rest:
+    an unreadable file counts by its stem)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return path.stem
+    name = data.get("name") if isinstance(data, dict) else None
+    return name if isinstance(name, str) and name else path.stem
+
+
+def orphan_goldens(golden_dir: Path, scenarios_dir: Path) -> list[Path]:
+    """Golden files under ``golden_dir`` filed under a name no scenario under ``scenarios_dir``
+    has any more (renamed or deleted scenarios), sorted: nothing compares them, so they rot
+    silently. ``<scenario>.obtained.json`` files are mismatch output, not goldens."""
+    names = {scenario_name(p) for p in discover(scenarios_dir)} if scenarios_dir.is_dir() else set()
+    return [p for p in sorted(golden_dir.glob("*.json"))
+            if not p.name.endswith(".obtained.json") and p.stem not in names]
 
 
 def backend_key(backend: str, device: str) -> str:
@@ -188,7 +213,6 @@ def write_json_atomic(path: Path, doc: dict) -> None:
 def read_golden(path: Path) -> dict:
     """Load and check a golden file's structure (it is hand-editable): InputError naming the file
     and the key of the first malformed entry."""
-    from rlaudit.errors import InputError
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

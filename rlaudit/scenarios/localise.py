@@ -1,6 +1,6 @@
 """Drift localisation: when a parity or golden check fails, say where — the step, the stage of
 the step's data flow, the layer or op of the model and the token (docs/internals.md, "Drift
-localisation"; issue #16).
+localisation").
 
 It runs only for a scenario that failed ``backend-parity``/``dp-invariance``, ``rollout-parity``
 or a golden comparison; a passing scenario never reaches this module. Per failing backend:
@@ -36,11 +36,12 @@ import torch
 
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.probe import DEFAULT_ROWS, ProbeSpec
-from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.backends.registry import get_backend
 from rlaudit.scenarios.localise_layers import backward_report, forward_report
 from rlaudit.scenarios.localise_stages import (NO_MODEL_STAGES, STAGES, StageReport,
                                                first_divergence_in_probe,
                                                first_divergence_in_runs, metric_stage)
+from rlaudit.verdict.compare import compare_runs
 
 ORACLE = "reference"
 PARITY_CHECKS = ("backend-parity", "dp-invariance")
@@ -57,7 +58,6 @@ Replay = Callable[[str, ReplayRequest], dict[str, VariantRun]]
 
 
 def _default_replay(backend: str, request: ReplayRequest) -> dict[str, VariantRun]:
-    from rlaudit.backends.registry import get_backend
     return get_backend(backend).replay(request)
 
 

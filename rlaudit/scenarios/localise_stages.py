@@ -26,8 +26,9 @@ import torch
 
 from rlaudit.backends.base import VariantRun
 from rlaudit.metrics import golden_names
-from rlaudit.scenarios.invariants.base import compare_tensors
-from rlaudit.scenarios.spec import Tolerance
+from rlaudit.verdict.compare import compare_runs
+from rlaudit.verdict.tensors import compare_tensors
+from rlaudit.verdict.tolerance import Tolerance
 
 STAGES = ("scores", "old/ref log-probs", "KL in reward", "rollout IS weights", "advantages",
           "critic update", "per-micro-batch loss", "gradients", "grad norm",
@@ -174,13 +175,12 @@ def first_divergence_in_runs(scn, got: VariantRun, want: VariantRun, mask: torch
                              ) -> StageReport | None:
     """The first (step, stage) at which ``got`` leaves ``want``, or None when they agree.
 
-    The comparison is parity's own (:func:`rlaudit.scenarios.invariants.compare.compare_runs`:
+    The comparison is parity's own (:func:`rlaudit.verdict.compare.compare_runs`:
     the same tolerances and noise floors), its failures placed by step and stage: a metric in its
     step and :func:`metric_stage`, a per-token tensor (recorded at step 0) in :data:`TOKEN_STAGE`,
     the parameters in the step after which they were read. Failures of neither kind (metric
     names, tensors present in one run only) are returned as ``structural`` on the report, or make
     a report with ``stage`` None when nothing numeric differs."""
-    from rlaudit.scenarios.invariants.compare import compare_runs
 
     c = compare_runs(scn, got, want, mask=mask)
     if c.ok:

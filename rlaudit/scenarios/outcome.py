@@ -16,8 +16,9 @@ import time
 import traceback
 
 from rlaudit.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK, InputError
-from rlaudit.scenarios.result import (BAD_INPUT, ERROR, NO_GOLDEN_STATE, PASSED, CheckResult,
-                                      ScenarioResult)
+from rlaudit.scenarios import engine
+from rlaudit.verdict.result import (BAD_INPUT, ERROR, NO_GOLDEN_STATE, PASSED, CheckResult,
+                                    ScenarioResult)
 
 #: the pseudo-invariant under which a scenario's own failure is tabled
 SCENARIO_CHECK = "scenario"
@@ -27,10 +28,9 @@ def run_isolated(scn, **kwargs) -> ScenarioResult:
     """:func:`rlaudit.scenarios.engine.run_scenario`, with anything it raises turned into this
     scenario's result: an InputError gives state "bad input" (file and key in the message), any
     other exception an error row with its traceback. KeyboardInterrupt still propagates."""
-    from rlaudit.scenarios.engine import run_scenario
     t0 = time.perf_counter()
     try:
-        return run_scenario(scn, **kwargs)
+        return engine.run_scenario(scn, **kwargs)  # read at call time: a wrapper may replace it
     except InputError as e:
         res = _empty_result(scn, kwargs.get("backends"))
         res.input_error = str(e)

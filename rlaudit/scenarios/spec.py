@@ -32,30 +32,15 @@ from typing import Any
 
 import yaml
 
+from rlaudit import catalogue  # the invariant names without importing the invariants (torch)
 from rlaudit.config import Config, load_config
 from rlaudit.errors import InputError
+from rlaudit.verdict.tolerance import DEFAULT_TOLERANCES, Tolerance
 
 TOP_KEYS = {"name", "description", "model", "ref_model", "rollout", "steps", "dtype", "config", "backends",
             "invariants", "tolerances", "tags", "device"}
 BACKEND_LAYOUT_KEYS = {"reference": set(), "fsdp": {"dp"}, "megatron": {"tp", "pp", "dp"}}
 DTYPES = ("float32", "float64", "bfloat16")
-
-#: default comparison tolerances by compute dtype (what parity/golden checks use unless a
-#: scenario says otherwise). fp64 on CPU is near-exact; fp32 leaves room for reduction order.
-DEFAULT_TOLERANCES = {
-    "float64": {"rtol": 1e-7, "atol": 1e-9},
-    "float32": {"rtol": 1e-4, "atol": 1e-5},
-    "bfloat16": {"rtol": 2e-2, "atol": 2e-2},
-}
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    rtol: float
-    atol: float
-
-    def close(self, got: float, want: float) -> bool:
-        return abs(got - want) <= self.atol + self.rtol * abs(want)
 
 
 @dataclass
@@ -77,7 +62,7 @@ class Scenario:
     """Reference policy snapshot (default: the initial actor, so KL starts at 0)."""
     tol_floor: Tolerance | None = None
     """Set when the scenario runs against a target (``rlaudit run --target``): the tolerance its
-    declared train precision allows (rlaudit.targets.declare); every tolerance is at least this."""
+    declared train precision allows (rlaudit.targets.contract.declare); every tolerance is at least this."""
     tol_overrides: dict[str, Tolerance] = field(default_factory=dict)
     """A target's explicit run-level tolerance overrides, by metric/tensor name (win over all)."""
 
@@ -203,7 +188,6 @@ def _backends(value: Any, src: str) -> dict[str, dict[str, int]]:
 def _invariants(value: Any, src: str) -> list[str]:
     _expect(isinstance(value, list) and value and all(isinstance(v, str) for v in value),
             "expected a non-empty list of invariant names", src, "invariants")
-    from rlaudit import catalogue  # the invariant names without importing them (torch)
     known = catalogue.invariants()
     for i, name in enumerate(value):
         known.get(name, source=src, key=f"invariants[{i}]")

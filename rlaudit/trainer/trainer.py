@@ -24,15 +24,17 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from tqdm import tqdm
 
-from rlaudit.config import Config, load_config, to_dict
+from rlaudit.config import Config, load_config
 from rlaudit.data.batch import RolloutBatch
+from rlaudit.dicts import to_dict
 from rlaudit.errors import InputError, RlauditError
 from rlaudit.model.critic import ValueModel
 from rlaudit.model.load import load_model, load_tokenizer
 from rlaudit.rollout.sampler import sample
+from rlaudit.rollout.tasks import Task, get_task, prompts_for_step
 from rlaudit.trainer import checkpoint as ckpt
-from rlaudit.trainer.tasks import Task, get_task, prompts_for_step
 from rlaudit.update.context import TorchContext, build_optimizer
 from rlaudit.update.step import Roles, select_groups, train_step
 
@@ -187,7 +189,6 @@ class Trainer:
         total = cfg.trainer.total_steps
         bar = None
         if progress:
-            from tqdm import tqdm
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", leave=False)
         while self.step < cfg.trainer.total_steps:  # re-read: a callback may shorten the run
             t0 = time.perf_counter()

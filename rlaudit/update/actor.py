@@ -142,10 +142,10 @@ def compute_log_probs(ctx: ParallelContext, batch: RolloutBatch, cfg: Config, *,
     if calc_entropy is not None:
         spec = ForwardSpec(kind=spec.kind, temperature=spec.temperature, calc_entropy=calc_entropy,
                            chunk_size=spec.chunk_size)
-    return _forward_rows(ctx, batch, cfg, spec, ("log_probs", "entropy"))
+    return forward_rows(ctx, batch, cfg, spec, ("log_probs", "entropy"))
 
 
-def _forward_rows(ctx, batch, cfg, spec, keys):
+def forward_rows(ctx, batch, cfg, spec, keys):
     """Run a no-grad forward over the whole batch split across ranks; reassemble rows in order.
     Inside a backend's replay on the CPU, a pass whose every input repeats an earlier one's is
     answered from the request's memo (rlaudit/update/forward_memo.py)."""

@@ -79,6 +79,7 @@ def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     A copy either way: the result is bit for bit what ``full_tensor()`` returns. Collective:
     every rank of the mesh calls it with the same names.
     """
+    # lazy: DTensor: only FSDP2-sharded tensors need it
     from torch.distributed.tensor import DTensor, Shard
 
     out: dict[str, torch.Tensor] = {}

@@ -15,7 +15,7 @@ from rlaudit.algo.agg import Denominators, agg_loss
 from rlaudit.algo.value_loss import value_loss
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
-from rlaudit.update.actor import _forward_rows, check_fields
+from rlaudit.update.actor import forward_rows, check_fields
 from rlaudit.update.context import ForwardSpec, ParallelContext
 from rlaudit.update.stats import LOCAL
 from rlaudit.update.plan import optimizer_steps
@@ -49,7 +49,7 @@ def critic_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominat
 
 def compute_values(ctx: ParallelContext, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
     """Forward-only values [B, R] of every row, gathered from all ranks (0 past each response)."""
-    (values,) = _forward_rows(ctx, batch, cfg, VALUE_SPEC, ("values",))
+    (values,) = forward_rows(ctx, batch, cfg, VALUE_SPEC, ("values",))
     return values
 
 

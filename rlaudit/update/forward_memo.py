@@ -52,7 +52,6 @@ import enum
 import functools
 import hashlib
 import json
-import os
 import sys
 import threading
 import types
@@ -60,11 +59,11 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.backends import cuda as sdp  # the SDPA backend flags govern the CPU too
+from torch.nn.modules import module as nn_module  # process-wide module hooks
 
+from rlaudit import switches
 from rlaudit.data.io import rollout_sha256
-from rlaudit.errors import InputError
-
-ENV = "RLAUDIT_FORWARD_MEMO"
 
 _local = threading.local()
 #: passes answered from / added to a memo in this process (for tests and benchmarks)
@@ -80,11 +79,7 @@ _SET_BY_EVERY_PASS = frozenset({"current_microbatch"})
 
 def from_env() -> bool:
     """``$RLAUDIT_FORWARD_MEMO``: unset or 1 on, 0 off (ReplayRequest's default)."""
-    raw = os.environ.get(ENV, "1").strip()
-    if raw not in ("0", "1"):
-        raise InputError(f"expected 0 (off) or 1 (on), got {raw!r}", source="environment",
-                         key=ENV)
-    return raw == "1"
+    return switches.forward_memo()
 
 
 @contextlib.contextmanager
@@ -200,8 +195,6 @@ def _local_key(ctx, batch, spec, keys, plan) -> bytes | None:
 
 def _torch_settings() -> list:
     """Process-wide settings a CPU forward's bits depend on."""
-    from torch.backends import cuda as sdp  # the SDPA backend flags govern the CPU too
-
     return [torch.get_num_threads(), str(torch.get_default_dtype()),
             torch.are_deterministic_algorithms_enabled(), torch.is_autocast_enabled("cpu"),
             str(torch.get_autocast_dtype("cpu")), torch.get_float32_matmul_precision(),
@@ -247,7 +240,6 @@ def _hash_module(h, model: torch.nn.Module) -> None:
         placements = {n: repr(t.placements) for n, t in own.items() if _is_dtensor(t)}
         modules.append([name, type(module).__qualname__, attrs, hooks, placements, sorted(own)])
         tensors.update({json.dumps([name, n]): t for n, t in own.items()})
-    from torch.nn.modules import module as nn_module  # process-wide module hooks
 
     glob = [_callable_text(f, tree) for d in (nn_module._global_forward_pre_hooks,
                                               nn_module._global_forward_hooks)

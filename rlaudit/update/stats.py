@@ -6,7 +6,7 @@ in sorted-name order, so every rank reduces the same keys), giving the mini-batc
 training step's value is the mean over its optimizer steps (equal weight per optimizer step).
 
 With ``trainer.metric_reduction = "microbatch-mean"`` (a target's declared convention, see
-rlaudit/targets/declare.py) loss-term stats arrive as each micro-batch's *local* value instead;
+rlaudit/targets/contract/declare.py) loss-term stats arrive as each micro-batch's *local* value instead;
 they are averaged over every real micro-batch of every rank and every optimizer step of the
 training step (denominator: the number of real micro-batches), as verl's
 ``AggregationType.MEAN`` and TRL log them.

@@ -190,12 +190,12 @@ def test_the_critic_section_counts_only_with_a_critic(batch):
     # the scenario validator's "an invariant has nothing to compare" judges by the same rule
     from types import SimpleNamespace
 
-    from rlaudit.scenarios import validate
+    from rlaudit.scenarios import variants
 
     def signature(v):
-        cut, issues = validate._cut(SimpleNamespace(backends={}), v)
+        cut, issues = variants._cut(SimpleNamespace(backends={}), v)
         assert not issues
-        return validate._signature(v, cut)
+        return variants._signature(v, cut)
 
     a, b = pair(adv_estimator="grpo")
     assert signature(a) == signature(b)

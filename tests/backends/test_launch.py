@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from rlaudit.backends.launch import RESERVED_ENV, RankTeardownWarning, launch
-from rlaudit.backends.launch import _group as launch_group
-from rlaudit.backends.launch._common import RankFiles, write_atomic
-from rlaudit.backends.launch._report import (RankOutcome, describe_exitcode, failure_message,
-                                             order_outcomes, read_tail)
+from rlaudit.backends.launch import rank_group as launch_group
+from rlaudit.backends.launch.common import RankFiles, write_atomic
+from rlaudit.backends.launch.outcomes import (RankOutcome, describe_exitcode, failure_message,
+                                              order_outcomes, read_tail)
 from rlaudit.errors import InputError, RankFailure
 
 # ----------------------------------------------------------------------------- rank functions
@@ -245,7 +245,7 @@ def test_outcomes_are_ordered_causes_first():
 def test_rank_entry_point_does_not_import_torch():
     """A rank sets its environment (OMP_NUM_THREADS, NCCL_*, ...) before torch is imported, which
     only works while importing the spawn target leaves torch alone."""
-    code = ("import sys, rlaudit.backends.launch._worker as w; "
+    code = ("import sys, rlaudit.backends.launch.worker as w; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -387,9 +387,9 @@ def test_concurrent_launches_do_not_collide_and_one_rank_works(recwarn):
 _START_METHODS = """
 import json, os, sys, threading, time
 import test_launch as t
-from rlaudit.backends.launch import _start, launch
+from rlaudit.backends.launch import start, launch
 out = {"launcher": os.getpid(), "forked": launch(t._parent_pid, 2, timeout=120),
-       "server": _start.forkserver_pid()}
+       "server": start.forkserver_pid()}
 out["env_same"] = launch(t._environment, 1, timeout=120) == [t._environment()]
 out["with_env"] = launch(t._parent_pid, 1, env={"RLAUDIT_TEST_VAR": "x"}, timeout=120)
 os.environ["RLAUDIT_TEST_VAR"] = "changed"
@@ -401,12 +401,12 @@ slow.start()
 import multiprocessing
 while not multiprocessing.active_children():
     time.sleep(0.01)
-_start.stop_forkserver()  # a forked one-shot group runs: not now
-out["server_during"] = _start.forkserver_pid()
+start.stop_forkserver()  # a forked one-shot group runs: not now
+out["server_during"] = start.forkserver_pid()
 slow.join()
 out["slow"] = got.get("r")
-_start.stop_forkserver()
-out["server_after"] = _start.forkserver_pid()
+start.stop_forkserver()
+out["server_after"] = start.forkserver_pid()
 print(json.dumps(out))
 """
 

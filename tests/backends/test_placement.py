@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlaudit import switches
 from rlaudit.backends.launch import placement
 from rlaudit.backends.launch.placement import CorePlacement
 from rlaudit.backends.launch.pool import RankPool
@@ -62,13 +63,13 @@ def test_placement_pins_only_groups_with_more_threads_than_their_share(cpus, gro
 
 def test_placement_is_switched_off_by_the_environment_and_bad_values_are_input_errors(
         monkeypatch):
-    monkeypatch.setenv(placement.PIN_ENV, "off")
+    monkeypatch.setenv(switches.PIN_RANKS, "off")
     assert placement.for_groups(2) is None
-    monkeypatch.setenv(placement.PIN_ENV, "always")
+    monkeypatch.setenv(switches.PIN_RANKS, "always")
     with pytest.raises(InputError) as raised:
         placement.for_groups(2)
-    assert placement.PIN_ENV in str(raised.value) and "'auto' or 'off'" in str(raised.value)
-    monkeypatch.setenv(placement.PIN_ENV, "auto")
+    assert switches.PIN_RANKS in str(raised.value) and "'auto' or 'off'" in str(raised.value)
+    monkeypatch.setenv(switches.PIN_RANKS, "auto")
     p = placement.for_groups(2)
     if hasattr(os, "sched_setaffinity"):
         assert p is not None and p.cpus == sorted(os.sched_getaffinity(0)) and p.share >= 1
@@ -118,7 +119,7 @@ def test_the_local_executor_sizes_the_placement_for_its_groups_in_flight(monkeyp
     from rlaudit.scenarios.spec import load_scenario
 
     scn = load_scenario(ROOT / "scenarios" / "kl_k1.yaml")
-    monkeypatch.delenv(placement.PIN_ENV, raising=False)
+    monkeypatch.delenv(switches.PIN_RANKS, raising=False)
     with warm_pools() as pools:
         monkeypatch.setattr(pools, "prestart", lambda *a, **k: None)  # no ranks needed here
         with LocalExecutor(Progress(0, enabled=False), jobs=2, scenarios=[scn, scn, scn]):

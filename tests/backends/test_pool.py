@@ -293,7 +293,7 @@ def _start_state(info):
 
 @pytest.mark.slow
 def test_cpu_pool_ranks_are_forked_from_the_preloaded_forkserver(monkeypatch):
-    from rlaudit.backends.launch import _start
+    from rlaudit.backends.launch import start
 
     monkeypatch.delenv("RLAUDIT_START_METHOD", raising=False)
     pool = RankPool(2)
@@ -301,7 +301,7 @@ def test_cpu_pool_ranks_are_forked_from_the_preloaded_forkserver(monkeypatch):
         out = pool.run(_start_state)
     finally:
         pool.close()
-    server = _start.forkserver_pid()
+    server = start.forkserver_pid()
     assert server is not None
     assert [r["ppid"] for r in out] == [server, server]  # forked by the forkserver, not spawned
     for r in out:
@@ -311,10 +311,10 @@ def test_cpu_pool_ranks_are_forked_from_the_preloaded_forkserver(monkeypatch):
 
 @pytest.mark.slow
 def test_spawn_start_method_is_honoured_and_bad_values_are_input_errors(monkeypatch):
-    from rlaudit.backends.launch import _start
+    from rlaudit.backends.launch import start
 
     monkeypatch.setenv("RLAUDIT_START_METHOD", "spawn")
-    assert _start.start_method("cpu") == "spawn"
+    assert start.start_method("cpu") == "spawn"
     pool = RankPool(1)
     try:
         out = pool.run(_start_state)
@@ -323,9 +323,9 @@ def test_spawn_start_method_is_honoured_and_bad_values_are_input_errors(monkeypa
     assert out[0]["ppid"] == os.getpid() and not out[0]["preloaded"]["rlaudit.backends.fsdp"]
     monkeypatch.setenv("RLAUDIT_START_METHOD", "fork")
     with pytest.raises(InputError, match="RLAUDIT_START_METHOD"):
-        _start.start_method("cpu")
+        start.start_method("cpu")
     monkeypatch.setenv("RLAUDIT_START_METHOD", "forkserver")
-    assert _start.start_method("cuda") == "spawn"  # a forked process cannot use CUDA
+    assert start.start_method("cuda") == "spawn"  # a forked process cannot use CUDA
 
 
 @pytest.mark.slow

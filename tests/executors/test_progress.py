@@ -1,5 +1,5 @@
 """The progress display of `rlaudit run` (rlaudit.executors.progress) and the third-party log
-routing (rlaudit.cli.quiet), with a fake clock and in-memory streams."""
+routing (rlaudit.quiet), with a fake clock and in-memory streams."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import sys
 import warnings
 
-from rlaudit.cli.quiet import third_party_to_log
+from rlaudit.quiet import third_party_to_log
 from rlaudit.executors.progress import Progress, clock
 
 

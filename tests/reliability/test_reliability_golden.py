@@ -16,7 +16,7 @@ from reltools import REPO, scenario_dict, tree_digest, write_scenario
 
 from rlaudit.backends import registry
 from rlaudit.scenarios.invariants import INVARIANTS
-from rlaudit.scenarios.result import FAIL, CheckResult
+from rlaudit.verdict.result import FAIL, CheckResult
 
 OTHER_ROLLOUT = REPO / "scenarios" / "rollouts" / "short-distill.safetensors"
 

@@ -263,10 +263,10 @@ def test_a_target_whose_stage_cannot_take_the_contracts_arguments_exits_2(cli, t
 
 
 def test_the_stage_contract_is_read_for_every_stage():
-    """The signatures checked are those the adapter module documents, one per stage (a change to
-    that docstring's layout must not silently switch the check off)."""
-    from rlaudit.scenarios.validate import stage_contract
-    from rlaudit.targets.adapter import STAGES
+    """The signatures checked are those of the Stages protocol, one per stage (a stage missing
+    from it must not silently switch the check off)."""
+    from rlaudit.targets.contract.adapter import STAGES
+    from rlaudit.targets.run.validate import stage_contract
     contract = stage_contract()
     assert set(contract) == set(STAGES)
     assert contract["make_microbatches"] == (["batch"], ["dp_size"])

@@ -13,7 +13,7 @@ from reltools import ROLLOUT, write_scenario
 from rlaudit.errors import InputError
 from rlaudit.scenarios import engine
 from rlaudit.scenarios.outcome import exit_code, run_isolated
-from rlaudit.scenarios.result import BAD_INPUT, FAILED, NO_GOLDEN_STATE, ScenarioResult
+from rlaudit.verdict.result import BAD_INPUT, FAILED, NO_GOLDEN_STATE, ScenarioResult
 from rlaudit.scenarios.spec import load_scenario
 
 
@@ -91,7 +91,7 @@ def test_exit_code_of_an_invocation():
         if state == BAD_INPUT:
             r.input_error = "x"
         elif state == NO_GOLDEN_STATE:
-            from rlaudit.scenarios.result import GoldenResult
+            from rlaudit.verdict.result import GoldenResult
             r.golden = [GoldenResult("reference", "no golden")]
         elif state == FAILED:
             r.errors = {"reference": "crash"}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rlaudit.backends.launch import _rendezvous, launch
+from rlaudit.backends.launch import rendezvous, launch
 from rlaudit.errors import InputError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -55,7 +55,7 @@ def _listening_in_rank(info):
 
 def test_the_rendezvous_store_listens_on_loopback_only():
     before = set(listening_addresses(os.getpid()))
-    store = _rendezvous.rendezvous_store(_rendezvous.LOOPBACK, timeout=30)
+    store = rendezvous.rendezvous_store(rendezvous.LOOPBACK, timeout=30)
     port = store.port
     new = set(listening_addresses(os.getpid())) - before
     assert new == {f"127.0.0.1:{port}"}  # not 0.0.0.0 / :: (every interface)
@@ -88,7 +88,7 @@ def test_a_wildcard_or_unknown_host_is_refused(host):
 
 def test_an_address_this_machine_does_not_have_is_refused():
     with pytest.raises(InputError, match="no network interface"):
-        _rendezvous.rank_socket_env("192.0.2.1", backend="gloo")  # TEST-NET-1
+        rendezvous.rank_socket_env("192.0.2.1", backend="gloo")  # TEST-NET-1
 
 
 @pytest.mark.slow
@@ -103,5 +103,5 @@ def test_every_socket_of_a_launch_and_of_a_warm_pool_listens_on_loopback():
     for r in [*launch(_listening_in_rank, 2, timeout=120), *pooled]:
         assert r["listen"], r  # gloo listens for its pairs ...
         assert all(a.startswith("127.") for a in r["listen"]), r  # ... on loopback only
-        assert r["ifname"] == _rendezvous.interface_of("127.0.0.1")
+        assert r["ifname"] == rendezvous.interface_of("127.0.0.1")
     assert socket.gethostbyname("localhost").startswith("127.")

@@ -13,7 +13,7 @@ import pytest
 from reltools import write_scenario
 
 from rlaudit.report import mlflow_guard, mlflow_log
-from rlaudit.scenarios.result import CheckResult, ScenarioResult
+from rlaudit.verdict.result import CheckResult, ScenarioResult
 
 
 @pytest.mark.slow
@@ -39,13 +39,13 @@ def _silent_server():
     return srv
 
 
-@pytest.mark.slow  # waits out the probe's timeout (1 s here, 5 s by default; little CPU)
+@pytest.mark.slow  # waits out the ping's timeout (1 s here, 5 s by default; little CPU)
 def test_case9_a_server_that_never_answers_costs_seconds_not_a_minute(cli, tmp_path,
                                                                        monkeypatch):
-    """Before: ~48 s per invocation (15 s per request x 3 tries + backoff). The probe waits
-    PROBE_TIMEOUT_S (5 s); 1 s here, so that the suite does not sit idle for the default."""
-    assert mlflow_guard.PROBE_TIMEOUT_S <= 5
-    monkeypatch.setattr(mlflow_guard, "PROBE_TIMEOUT_S", 1.0)
+    """Before: ~48 s per invocation (15 s per request x 3 tries + backoff). The ping waits
+    PING_TIMEOUT_S (5 s); 1 s here, so that the suite does not sit idle for the default."""
+    assert mlflow_guard.PING_TIMEOUT_S <= 5
+    monkeypatch.setattr(mlflow_guard, "PING_TIMEOUT_S", 1.0)
     scn = write_scenario(tmp_path / "solo.yaml")
     srv = _silent_server()
     uri = f"http://127.0.0.1:{srv.getsockname()[1]}"
@@ -59,13 +59,13 @@ def test_case9_a_server_that_never_answers_costs_seconds_not_a_minute(cli, tmp_p
     assert res.rc == 0, res.err  # the audit result stands: no golden, exit 0
     assert "solo: NO GOLDEN" in res.out
     assert f"MLflow logging to {uri} failed while connecting" in res.err
-    assert f"did not answer within {mlflow_guard.PROBE_TIMEOUT_S:g}s" in res.err
+    assert f"did not answer within {mlflow_guard.PING_TIMEOUT_S:g}s" in res.err
     assert "nothing was logged" in res.err
-    assert seconds < 3 * mlflow_guard.PROBE_TIMEOUT_S + 20  # the run itself included
+    assert seconds < 3 * mlflow_guard.PING_TIMEOUT_S + 20  # the run itself included
 
 
 class _ProbeOnly(BaseHTTPRequestHandler):
-    """Answers rlaudit's probe at once; every other request hangs (counted) until released."""
+    """Answers rlaudit's ping at once; every other request hangs (counted) until released."""
 
     def do_GET(self):
         if "rlaudit-probe" in self.path:
@@ -81,8 +81,8 @@ class _ProbeOnly(BaseHTTPRequestHandler):
         pass
 
 
-def test_calls_after_the_probe_share_one_retry_per_invocation(tmp_path, monkeypatch):
-    """A server that answers the probe and then hangs: each call times out after HTTP_TIMEOUT_S
+def test_calls_after_the_ping_share_one_retry_per_invocation(tmp_path, monkeypatch):
+    """A server that answers the ping and then hangs: each call times out after HTTP_TIMEOUT_S
     and the whole invocation retries once, so it gives up after ~2 timeouts, not 2 per call."""
     monkeypatch.setattr(mlflow_log, "HTTP_TIMEOUT_S", 1)
     monkeypatch.setattr(mlflow_guard, "RETRY_PAUSE_S", 0.1)

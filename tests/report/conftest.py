@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rlaudit.backends.base import VariantRun
-from rlaudit.scenarios.result import CheckResult, GoldenResult, ScenarioResult
+from rlaudit.verdict.result import CheckResult, GoldenResult, ScenarioResult
 
 #: metric values every hand-built step starts from (step k adds 0.1 * k to each)
 BASE_METRICS = {"actor/pg_loss": 0.5, "actor/entropy": 2.0, "actor/grad_norm": 1.5,

@@ -11,7 +11,7 @@ from rlaudit.config import Config
 from rlaudit.errors import CheckFailed, InputError
 from rlaudit.report import calibrate
 from rlaudit.report.calibrate import apply_tolerances, calibrate_scenario, propose_tolerances
-from rlaudit.scenarios.result import ScenarioResult
+from rlaudit.verdict.result import ScenarioResult
 from rlaudit.scenarios.spec import Scenario
 
 

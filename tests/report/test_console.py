@@ -4,7 +4,7 @@ scenario reading PASSED with nothing behind it for that backend."""
 from __future__ import annotations
 
 from rlaudit.report.console import render_result
-from rlaudit.scenarios.result import NA, PASS, CheckResult, ScenarioResult
+from rlaudit.verdict.result import NA, PASS, CheckResult, ScenarioResult
 
 
 def _result(toy_statuses):
@@ -31,7 +31,7 @@ def test_a_backend_with_a_passing_check_gets_no_such_line():
 
 
 def test_an_error_prints_its_traceback_once_and_a_one_line_finding_only_once():
-    from rlaudit.scenarios.result import ERROR
+    from rlaudit.verdict.result import ERROR
     one = "CheckFailed: toy.train_step: its DAPO group filter ... kept 24 of the 32 rows"
     multi = "RankFailure: rank 1 died\nTraceback (most recent call last):\n  boom"
     res = ScenarioResult(scenario="s", path="s.yaml", backends=["toy", "fsdp"],

@@ -9,7 +9,7 @@ import pytest
 
 from rlaudit.report import console, localise_view
 from rlaudit.report.run_report import build_run_report, render_html
-from rlaudit.scenarios.result import CheckResult
+from rlaudit.verdict.result import CheckResult
 
 CURVE = [{"module": m, "drift": d, "bound": 1e-7, "out": d > 1e-7}
          for m, d in (("model.embed_tokens", 0.0), ("model.layers.0.input_layernorm", 2e-16),

@@ -10,9 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rlaudit.report import mlflow_log
-from rlaudit.report.mlflow_log import (child_metrics, child_params, child_tags, log_invocation,
-                                       resolve_tracking_uri, sanitize_key, token_diffs)
+from rlaudit.report import mlflow_content, mlflow_log
+from rlaudit.report.mlflow_content import (child_metrics, child_params, child_tags, sanitize_key,
+                                           token_diffs)
+from rlaudit.report.mlflow_log import log_invocation, resolve_tracking_uri
 
 
 def test_sanitize_key_keeps_valid_names_and_fixes_the_rest():
@@ -102,10 +103,10 @@ def test_file_store_is_refused_cleanly(make, tmp_path):
 
 @pytest.mark.slow
 def test_hung_server_is_bounded(make, tmp_path, monkeypatch):
-    """A server that accepts connections but never answers: the probe's timeout bounds the call
+    """A server that accepts connections but never answers: the ping's timeout bounds the call
     (1 s here instead of its 5 s)."""
     from rlaudit.report import mlflow_guard
-    monkeypatch.setattr(mlflow_guard, "PROBE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(mlflow_guard, "PING_TIMEOUT_S", 1.0)
     monkeypatch.setattr(mlflow_log, "HTTP_TIMEOUT_S", 1)
     monkeypatch.setattr(mlflow_log, "HTTP_MAX_RETRIES", 0)
     srv = socket.socket()
@@ -212,7 +213,7 @@ def test_token_diffs_fall_back_to_csv_without_a_parquet_engine(make, tmp_path, m
         raise ImportError("Unable to find a usable engine; tried using: 'pyarrow', 'fastparquet'")
 
     monkeypatch.setattr(pd.DataFrame, "to_parquet", no_engine)
-    path = mlflow_log.write_frame(df, tmp_path / "token_diffs")
+    path = mlflow_content.write_frame(df, tmp_path / "token_diffs")
     assert path.name == "token_diffs.csv.gz"
     back = pd.read_csv(path)
     assert back["diff"].tolist() == pytest.approx(df["diff"].tolist())

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlaudit.backends.base import VariantRun
-from rlaudit.scenarios.invariants.compare import compare_runs
-from rlaudit.scenarios.spec import Tolerance
+from rlaudit.verdict.compare import compare_runs
+from rlaudit.verdict.tolerance import Tolerance
 
 
 class _Scn:

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlaudit.scenarios.invariants.base import compare_tensors
-from rlaudit.scenarios.spec import Tolerance
+from rlaudit.verdict.tensors import compare_tensors
+from rlaudit.verdict.tolerance import Tolerance
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-300, 5e-324, 1e300, math.inf, -math.inf, math.nan, 0.5]
 

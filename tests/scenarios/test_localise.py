@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from rlaudit import switches
 from rlaudit.backends.base import VariantRun
 from rlaudit.backends.probe import PREPARED_FIELDS
 from rlaudit.backends.replay import RECORDED_FIELDS
@@ -18,8 +19,8 @@ from rlaudit.scenarios import localise as L
 from rlaudit.scenarios.localise_layers import backward_report, forward_report
 from rlaudit.scenarios.localise_stages import (STAGES, TOKEN_STAGE, first_divergence_in_probe,
                                                first_divergence_in_runs, metric_stage)
-from rlaudit.scenarios.result import CheckResult, GoldenResult, ScenarioResult
-from rlaudit.scenarios.spec import Tolerance
+from rlaudit.verdict.result import CheckResult, GoldenResult, ScenarioResult
+from rlaudit.verdict.tolerance import Tolerance
 
 RTOL, ATOL = 1e-7, 1e-9
 B, R = 4, 5
@@ -278,7 +279,7 @@ def test_a_passing_scenario_runs_no_localisation(monkeypatch):
 
 
 def test_probe_cuts_large_outputs_to_rows_then_positions_alike_on_both_layouts():
-    from rlaudit.backends.probe import cut
+    from rlaudit.backends.hooks import cut
     t = torch.arange(2 * 3 * 4).view(2, 3, 4)                 # [b, s, h]
     assert cut(t, 0, 1, 24) is t
     assert cut(t, 0, 1, 12).tolist() == t[:1].tolist()
@@ -299,8 +300,8 @@ def test_fault_specs_parse_and_apply_only_where_named(monkeypatch):
     assert [f.params for f in faults.applying(spec, "megatron", "x")] == [
         {"layer": "1", "eps": "1e-2"}]
     assert faults.applying("", "fsdp", "base") == []
-    monkeypatch.delenv(faults.ENV, raising=False)
+    monkeypatch.delenv(switches.FAULT, raising=False)
     assert ReplayRequest(model="m").faults == ""
-    monkeypatch.setenv(faults.ENV, "fsdp:nope")
+    monkeypatch.setenv(switches.FAULT, "fsdp:nope")
     with pytest.raises(InputError, match="KIND one of"):
         ReplayRequest(model="m")

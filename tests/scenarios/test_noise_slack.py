@@ -16,8 +16,8 @@ import torch
 
 from rlaudit.backends.base import VariantRun
 from rlaudit.metrics import CATALOGUE
-from rlaudit.scenarios.invariants.compare import compare_runs
-from rlaudit.scenarios.spec import Tolerance
+from rlaudit.verdict.compare import compare_runs
+from rlaudit.verdict.tolerance import Tolerance
 
 TOKEN = 1 / 196
 MASK = torch.ones(1, 1, dtype=torch.bool)
@@ -80,7 +80,7 @@ def test_every_fraction_in_the_catalogue_is_counted_and_nothing_else():
 
 
 def test_widest_keeps_the_larger_distance_of_two_draws():
-    from rlaudit.scenarios.invariants.compare import widest
+    from rlaudit.verdict.compare import widest
     want, a, b = _run(), _run(), _run()
     a.steps[0]["actor/pg_loss"], b.steps[0]["actor/pg_loss"] = 0.41, 0.37    # 0.01 vs 0.03
     a.steps[0]["actor/entropy"], b.steps[0]["actor/entropy"] = 1.6, 1.45    # 0.1 vs 0.05
@@ -95,7 +95,7 @@ def test_widest_keeps_the_larger_distance_of_two_draws():
 
 
 def test_near_misses_records_how_far_a_floored_comparison_failed():
-    from rlaudit.scenarios.invariants.compare import near_misses
+    from rlaudit.verdict.compare import near_misses
     want = _with_noise(_run(), **{"actor/entropy": 1.5 * (1 + 1e-4)})
     # bound for pg_loss: 1e-5 + 1e-4 * 0.4 + 10 * 1e-4 * 0.4 = 4.5e-4; off by 9e-4: ratio 2
     with near_misses() as missed:
@@ -137,7 +137,7 @@ def test_tokens_whose_advantage_rounding_can_zero_widen_the_clip_fractions():
 def test_a_zero_bound_is_no_near_miss_and_no_crash():
     """A scenario tolerance of 0 with a perturbed replay that moved nothing: the bound is 0, the
     ratio infinite (a failure no further draw can decide), not a ZeroDivisionError."""
-    from rlaudit.scenarios.invariants.compare import near_misses
+    from rlaudit.verdict.compare import near_misses
 
     class Exact:
         def tol(self, name):
@@ -153,12 +153,12 @@ def test_a_zero_bound_is_no_near_miss_and_no_crash():
 # ---- how many draws of the floor the target runner measures ------------------------------------
 
 def _draws(spreads, off):
-    """The target runner's loop (runner.with_noise_floor) on one metric comparison: ``got``'s
+    """The target runner's loop (run/noise.py, with_noise_floor) on one metric comparison: ``got``'s
     pg_loss is ``off`` from the reference's; draw i of the floor moves the entropy by
     ``spreads[i]`` relative (the widest draw so far is what the comparison sees). Worked by hand:
     a relative spread s gives pg_loss the bound 1e-5 + 1e-4 * 0.4 + 10 * s * 0.4."""
-    from rlaudit.scenarios.result import FAIL, PASS, CheckResult
-    from rlaudit.targets.runner import with_noise_floor
+    from rlaudit.verdict.result import FAIL, PASS, CheckResult
+    from rlaudit.targets.run.noise import with_noise_floor
 
     want, got = _run(), _run(**{"actor/pg_loss": 0.40 + off})
     drawn = []
@@ -176,8 +176,8 @@ def _draws(spreads, off):
 
 
 def test_the_floor_is_measured_only_when_a_check_fails_and_again_only_on_a_near_miss():
-    from rlaudit.scenarios.result import FAIL, PASS
-    from rlaudit.targets.runner import NOISE_DRAWS
+    from rlaudit.verdict.result import FAIL, PASS
+    from rlaudit.targets.run.noise import NOISE_DRAWS
     assert NOISE_DRAWS == 3
     # passes without a floor (bound 5e-5): nothing measured
     assert _draws([1e-4, 1e-4, 1e-4], 4e-5) == (PASS, [])
@@ -197,8 +197,8 @@ def test_the_floor_is_measured_only_when_a_check_fails_and_again_only_on_a_near_
 def test_a_failure_no_floor_bounds_is_not_measured_again():
     """A check that fails without any floored comparison (nothing near to decide) costs one
     draw: the one that showed the floor could not help."""
-    from rlaudit.scenarios.result import FAIL, CheckResult
-    from rlaudit.targets.runner import with_noise_floor
+    from rlaudit.verdict.result import FAIL, CheckResult
+    from rlaudit.targets.run.noise import with_noise_floor
     drawn = []
     out = with_noise_floor([CheckResult("x", "t", FAIL, "raised")],
                            lambda: [CheckResult("x", "t", FAIL, "raised")], drawn.append)
@@ -210,7 +210,7 @@ def test_moved_onto_lays_the_reference_spread_on_another_run():
     -> 1.25) gives another backend's run (0.50, token 3.0, parameter 5.0) the same distances:
     0.53, 3.5, 5.25; a metric the reference lacks gets none; comparing that backend's run with
     itself moved by 0.02 passes (bound 1e-5 + 5e-5 + 10 * 0.06 * 0.5), by 0.5 does not."""
-    from rlaudit.scenarios.invariants.compare import moved_onto
+    from rlaudit.verdict.compare import moved_onto
     ref, noisy, onto = _run(), _run(**{"actor/pg_loss": 0.43}), _run(**{"actor/pg_loss": 0.50})
     onto.steps[0]["actor/only_here"] = 1.0
     ref.tokens = {"old_log_probs": torch.tensor([[2.0]], dtype=torch.float64)}

@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from rlaudit.cli.main import main
-from rlaudit.config import flatten, to_dict
+from rlaudit.dicts import flatten, to_dict
 from rlaudit.errors import InputError
-from rlaudit.scenarios.spec import Tolerance, discover, load_scenario
+from rlaudit.scenarios.spec import discover, load_scenario
+from rlaudit.verdict.tolerance import Tolerance
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = REPO / "scenarios"

@@ -11,7 +11,7 @@ from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
 from rlaudit.scenarios.invariants.base import base_variant
-from rlaudit.scenarios.result import FAIL, PASS
+from rlaudit.verdict.result import FAIL, PASS
 from rlaudit.scenarios.spec import Scenario
 
 ROWS, P, R = 6, 3, 5

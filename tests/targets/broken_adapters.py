@@ -18,7 +18,7 @@ from rlaudit.algo.kl import kl_penalty as kl_estimate
 from rlaudit.algo.policy_loss import compute_policy_loss
 from rlaudit.data.batching import (is_padding_microbatch, pad_microbatch_list,
                                    plan_microbatches_by_tokens, shard_for_dp, take)
-from rlaudit.targets.reference import ReferenceAdapter
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
 
 
 # ---- stage-level -------------------------------------------------------------------------------

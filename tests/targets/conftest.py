@@ -15,11 +15,11 @@ if str(REPO) not in sys.path:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from rlaudit.targets.builtin import tiny_model_path
+    from rlaudit.targets.inputs.builtin import tiny_model_path
     return str(tiny_model_path(REPO / "scenarios"))
 
 
 @pytest.fixture(scope="session")
 def builtin_rollout(tiny_model):
-    from rlaudit.targets.builtin import rollout
+    from rlaudit.targets.inputs.builtin import rollout
     return rollout(tiny_model)

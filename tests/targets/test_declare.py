@@ -1,5 +1,5 @@
-"""Declarations an adapter makes about itself (rlaudit/targets/declare.py): precision-derived
-tolerances, explicit overrides, declared differences (a convention the reference computes under,
+"""Declarations an adapter makes about itself (rlaudit/targets/contract/declare.py):
+precision-derived tolerances, explicit overrides, declared differences (a convention the reference computes under,
 or the third state "differs"), metric reduction, per-loss-mode capabilities, padding compared
 with the trainer's own micro-batches. Each declaration must silence exactly the false alarm it
 is for and nothing else: every test pairs "correct trainer with its convention passes" with "a
@@ -15,13 +15,13 @@ from rlaudit.algo.agg import AGG_MODES, agg_loss
 from rlaudit.algo.kl import kl_penalty as kl_estimate
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
-from rlaudit.scenarios.result import CheckResult, DIFFERS, FAIL, NA, PASS
-from rlaudit.scenarios.spec import Tolerance
+from rlaudit.verdict.result import CheckResult, DIFFERS, FAIL, NA, PASS
+from rlaudit.verdict.tolerance import Tolerance
 from rlaudit.targets import Difference
-from rlaudit.targets.checks import run_stage_checks
-from rlaudit.targets.declare import STAGE_TOLERANCES, scaled, validate
-from rlaudit.targets.reference import ReferenceAdapter
-from rlaudit.targets.runner import apply_differences
+from rlaudit.targets.stages import run_stage_checks
+from rlaudit.targets.contract.declare import STAGE_TOLERANCES, scaled, validate
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
+from rlaudit.targets.run.parity import apply_differences
 
 
 def statuses(adapter, stages):
@@ -386,8 +386,8 @@ def test_run_level_differences_cover_all_problems_or_none():
 
 
 def test_scenario_tolerance_floor_and_overrides():
-    from rlaudit.targets.runner import declared_scenario
-    from rlaudit.targets import builtin
+    from rlaudit.targets.run.runner import declared_scenario
+    from rlaudit.targets.inputs import builtin
     scn = builtin.scenario(builtin.tiny_model_path())
     scn.tolerances = {"actor/entropy": Tolerance(rtol=1e-3, atol=0.0)}
     decl = validate(type("F", (ReferenceAdapter,), {
@@ -499,7 +499,7 @@ def test_token_denominator_batch_mean_on_the_reference_backend(tiny_model, built
     from rlaudit.backends.base import ReplayRequest
     from rlaudit.backends.reference import ReferenceBackend
     from rlaudit.scenarios.invariants.base import base_variant
-    from rlaudit.targets import builtin
+    from rlaudit.targets.inputs import builtin
     scn = builtin.scenario(tiny_model)
     runs = {}
     for mode in ("minibatch", "batch-mean"):
@@ -568,8 +568,9 @@ def test_k3_clamp_convention_at_stage_level():
     stage checks fail an unclamped k3 undeclared and pass it under ``k3_clamp: none``; the same
     declaration does not excuse a k3 that is wrong below the clamp."""
     from dataclasses import replace
-    from rlaudit.targets.cases import default_cases
-    from rlaudit.targets.checks import StageEnv, kl_penalty_parity, kl_reward_parity
+    from rlaudit.targets.inputs.cases import default_cases
+    from rlaudit.targets.stages import StageEnv
+    from rlaudit.targets.stages.advantage import kl_penalty_parity, kl_reward_parity
     base = default_cases()[1]
     far = replace(base, tensors={**base.tensors, "ref_log_probs": torch.where(
         base.mask, base["log_probs"] + 3.0, 0.0), "old_log_probs": base["log_probs"]})

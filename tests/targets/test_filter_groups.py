@@ -9,10 +9,10 @@ import torch
 import broken_adapters as broken
 from examples.toy_trainer.adapter import ToyAdapter
 from rlaudit.backends.base import Variant
-from rlaudit.scenarios.result import FAIL, PASS
-from rlaudit.targets.checks import run_stage_checks
-from rlaudit.targets.filter_checks import default_filter_inputs
-from rlaudit.targets.reference import ReferenceAdapter
+from rlaudit.verdict.result import FAIL, PASS
+from rlaudit.targets.stages import run_stage_checks
+from rlaudit.targets.stages.filter import default_filter_inputs
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
 
 STAGE = ["filter_groups"]
 
@@ -116,7 +116,7 @@ def test_filter_writing_its_input_fails_no_mutation():
 
 def _dapo():
     from rlaudit.data.io import load_rollout
-    from rlaudit.scenarios.engine import build_variants
+    from rlaudit.scenarios.variants import build_variants
     from rlaudit.scenarios.spec import load_scenario, resolve
     from rlaudit.update.step import select_groups
     scn = load_scenario(resolve(["dapo_filter_overlong"], all_=False, root="scenarios")[0])
@@ -147,7 +147,7 @@ def test_filter_metric_runs_on_the_raw_score_where_the_penalty_makes_a_differenc
 
 
 def test_unfiltered_inputs_put_the_dropped_groups_back():
-    from rlaudit.targets.dynamic_sampling import unfiltered_inputs
+    from rlaudit.targets.inputs.dynamic_sampling import unfiltered_inputs
     scn, raw, batch, variants = _dapo()
     inputs, skipped = unfiltered_inputs(variants, raw)
     assert not skipped and set(inputs) == {v.name for v in variants}
@@ -168,7 +168,7 @@ def test_unfiltered_inputs_put_the_dropped_groups_back():
 
 
 def test_a_variant_the_filter_would_change_is_not_run_with_the_reason():
-    from rlaudit.targets.dynamic_sampling import unfiltered_inputs
+    from rlaudit.targets.inputs.dynamic_sampling import unfiltered_inputs
     scn, raw, batch, _ = _dapo()
     # two rows of group 0 with the same score: that group has no spread in this variant
     uid0 = (batch["uid"] == 0).nonzero().flatten().tolist()
@@ -185,7 +185,7 @@ def test_self_filtering_trainer_misaligning_a_field_is_caught_at_run_level():
     as not filtering (it then gets rows its filter keeps in full), the same bug is invisible:
     the surface the declaration opens is what catches it. (The correct toy is green on this
     scenario: test_run_level's every-shipped-scenario test.)"""
-    from rlaudit.targets.runner import run_target
+    from rlaudit.targets.run.runner import run_target
     for cls, want in ((broken.FilterMisalignsScores, FAIL),
                       (type("Undeclared", (broken.FilterMisalignsScores,),
                             {"filters_groups": False, "name": "undeclared"}), PASS)):
@@ -220,8 +220,8 @@ def test_a_self_filtering_trainer_keeping_other_groups_is_a_finding_not_bad_inpu
     what its filter kept), not a malformed adapter (an InputError, exit 2, as before). A
     penalty taken from the count of trained tokens instead of the length is caught on the same
     scenario too (its row 28 has a hole inside the overlong buffer)."""
-    from rlaudit.scenarios.result import ERROR
-    from rlaudit.targets.runner import run_target
+    from rlaudit.verdict.result import ERROR
+    from rlaudit.targets.run.runner import run_target
     adapter = broken.toy_with(_FiltersOnTheRawScore, "filters-on-the-raw-score")()
     (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
                         invariants=["backend-parity"])[1:]
@@ -246,8 +246,8 @@ def test_a_filter_adding_the_penalty_to_the_raw_score_is_caught_by_filter_metric
     ``seq_reward``, where the two agree. filter-metric's one-step run on the raw score hands it
     32 rows of which the reference keeps 24 (group 7's scores are all equal; only the penalty
     gives it spread); the base run alone does not see it."""
-    from rlaudit.scenarios.result import ERROR
-    from rlaudit.targets.runner import run_target
+    from rlaudit.verdict.result import ERROR
+    from rlaudit.targets.run.runner import run_target
     adapter = broken.PenaltyInEveryFilterMetric()
     (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
                         invariants=["reward-shaping"])[1:]

@@ -23,9 +23,9 @@ from examples.toy_trainer import trainer as toy
 from rlaudit.backends.reference import perturb_scores
 from rlaudit.backends.base import Variant
 from rlaudit.data.io import load_rollout
-from rlaudit.scenarios.result import FAIL, PASS
+from rlaudit.verdict.result import FAIL, PASS
 from rlaudit.scenarios.spec import load_scenario, resolve
-from rlaudit.targets.runner import _filtered, run_target_scenario
+from rlaudit.targets.run.runner import _filtered, run_target_scenario
 
 pytestmark = pytest.mark.slow
 
@@ -116,9 +116,9 @@ def test_perturbed_scores_keep_equal_scores_equal():
 # ---- more draws when one falls short ----------------------------------------------------------
 
 def _bf16_dual_clip(monkeypatch, draws):
-    from rlaudit.targets import runner
+    from rlaudit.targets.run import noise, runner
     from test_low_precision import BF16Toy
-    monkeypatch.setattr(runner, "NOISE_DRAWS", draws)
+    monkeypatch.setattr(noise, "NOISE_DRAWS", draws)
     calls = []
     real = runner.attach_noise_floor
     monkeypatch.setattr(runner, "attach_noise_floor",
@@ -152,7 +152,7 @@ def test_a_correct_bf16_trainer_on_ppo_dual_clip_is_green_within_the_draws(monke
 def test_a_bug_is_not_measured_again(monkeypatch):
     """The float32 trainer normalising per micro-batch misses by far more than NEAR_MISS: one
     draw, no more (a broken target pays one perturbed replay, as before)."""
-    from rlaudit.targets import runner
+    from rlaudit.targets.run import runner
     calls = []
     real = runner.attach_noise_floor
     monkeypatch.setattr(runner, "attach_noise_floor",

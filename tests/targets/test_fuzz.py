@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 import broken_adapters as broken
 from examples.toy_trainer.adapter import ToyAdapter
 from rlaudit.errors import InputError
-from rlaudit.scenarios.result import FAIL
-from rlaudit.targets.fuzz import DEFAULT_BUDGET, fuzz_target
-from rlaudit.targets.fuzz_inputs import (BOUND_GAP, EXTREME_LOG_RATIO, K3_SAFE, cases,
+from rlaudit.verdict.result import FAIL
+from rlaudit.targets.fuzz.stage_fuzz import DEFAULT_BUDGET, fuzz_target
+from rlaudit.targets.fuzz.strategies import (BOUND_GAP, EXTREME_LOG_RATIO, K3_SAFE, cases,
                                          filter_draws, microbatch_draws)
-from rlaudit.targets.reference import ReferenceAdapter
-from rlaudit.targets.runner import run_target
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
+from rlaudit.targets.run.runner import run_target
 
 # broken adapter, the check the fuzzer must fail it on (that check is fuzzed alone); the first
 # ones take ~2 s each (found within a few examples, shrinking is cheap), the rest are slow
@@ -89,8 +89,8 @@ def test_fuzz_finds_nothing_on_correct_adapters(adapter, tmp_path):
     assert not report.findings, [(f.check, f.message) for f in report.findings]
     fuzzed = [o for o in report.outcomes if o.status == "clean"]
     assert all(o.examples == DEFAULT_BUDGET for o in fuzzed)
-    from rlaudit.targets.adapter import has_stage
-    from rlaudit.targets.checks import stage_checks
+    from rlaudit.targets.contract.adapter import has_stage
+    from rlaudit.targets.stages import stage_checks
     want = {c.name for c in stage_checks().values()
             if c.stage != "train_step" and has_stage(adapter, c.stage)}     # toy: no distill
     assert {o.check for o in fuzzed} == want and len(want) >= 25
@@ -131,7 +131,7 @@ def test_generated_cases_stay_where_the_reference_is_right(case):
     assert bool((lp[m] < 0).all() and (old[m] < 0).all() and (ref[m] < 0).all())
     for d in (ref - lp, ref - old):          # k3's value clamp inactive
         assert bool((d[m] >= K3_SAFE[0]).all() and (d[m] <= K3_SAFE[1]).all())
-    from rlaudit.targets.fuzz_inputs import clip_bounds
+    from rlaudit.targets.fuzz.strategies import clip_bounds
     bounds = torch.tensor(clip_bounds(), dtype=torch.float64)
     assert {0.8, 0.9, 1.2, 1.28, 3.0, 5.0} <= {round(b, 6) for b in clip_bounds()}
     ratio = lr[m].exp().unsqueeze(-1)
@@ -203,8 +203,8 @@ def test_generated_filter_metrics_are_dyadic(draw):
 
 def test_found_case_round_trip(tmp_path):
     """What is written is what is read back: tensors bit for bit, settings as tuples."""
-    from rlaudit.targets.found import load_stage_case, save_stage_case
-    from rlaudit.targets.fuzz_inputs import stage_draws
+    from rlaudit.targets.run.found import load_stage_case, save_stage_case
+    from rlaudit.targets.fuzz.strategies import stage_draws
     adapter = ReferenceAdapter()
     for stage, check in (("policy_loss", "metrics-are-copies"), ("make_microbatches", ""),
                          ("filter_groups", "")):
@@ -259,19 +259,19 @@ def test_fuzz_cli_writes_and_run_replays(tmp_path, capsys):
     (path,) = (tmp_path / "f").glob("*--policy_loss--parity.yaml")
     run = ["run", str(path), "--no-mlflow", "--report-dir", str(tmp_path / "r")]
     assert main([*run, "--target", "broken_adapters:IgnoresClipHigh"]) == 1
-    assert main([*run, "--target", "rlaudit.targets.reference:ReferenceAdapter"]) == 0
+    assert main([*run, "--target", "rlaudit.targets.contract.own_adapters:ReferenceAdapter"]) == 0
     assert "the stage checks and the named scenarios only" in capsys.readouterr().err
     assert (tmp_path / "r" / "fuzz" / "hypothesis").is_dir()
     # clean below the default budget: said on stderr
-    assert main(["fuzz", "--target", "rlaudit.targets.reference:ReferenceAdapter", *args[:2],
-                 "--budget", "2", *args[2:]]) == 0
+    assert main(["fuzz", "--target", "rlaudit.targets.contract.own_adapters:ReferenceAdapter",
+                 *args[:2], "--budget", "2", *args[2:]]) == 0
     assert f"--budget 2 < {DEFAULT_BUDGET}" in capsys.readouterr().err
 
 
 def test_a_clean_result_below_the_default_budgets_says_so():
     """A blind audit's trainer was clean at --run-budget 5 (found at the 12th example)."""
     from rlaudit.cli.fuzz import budget_note
-    from rlaudit.targets.fuzz_run import DEFAULT_RUN_BUDGET
+    from rlaudit.targets.fuzz.train_step import DEFAULT_RUN_BUDGET
     assert budget_note(DEFAULT_BUDGET, None, found=False) is None
     assert budget_note(DEFAULT_BUDGET, DEFAULT_RUN_BUDGET, found=False) is None
     assert budget_note(DEFAULT_BUDGET, 0, found=False) is None          # run level skipped
@@ -284,7 +284,7 @@ def test_a_clean_result_below_the_default_budgets_says_so():
 
 def test_cli_help_defaults_match_the_library():
     from rlaudit.cli import fuzz as cli
-    from rlaudit.targets.fuzz_run import DEFAULT_RUN_BUDGET
+    from rlaudit.targets.fuzz.train_step import DEFAULT_RUN_BUDGET
     assert (cli.HELP_BUDGET, cli.HELP_RUN_BUDGET) == (DEFAULT_BUDGET, DEFAULT_RUN_BUDGET)
 
 
@@ -312,7 +312,7 @@ def test_the_filter_metric_is_a_knob_of_the_run_level_fuzz():
     from hypothesis import seed as hseed
 
     from rlaudit.config import FilterGroupsConfig, load_config
-    from rlaudit.targets.fuzz_run import DRAWN_LAST, config_of, example_strategy, knobs
+    from rlaudit.targets.fuzz.train_step import DRAWN_LAST, config_of, example_strategy, knobs
     key = "algorithm.filter_groups.metric"
     table = knobs(ToyAdapter())
     assert table[key] == ["seq_final_reward", "seq_reward", "score"]
@@ -385,15 +385,15 @@ def test_padding_complete_on_a_batch_without_valid_tokens():
     holds a valid token") on a batch none of whose rows has a valid token, where every
     micro-batch is padding by construction. Such a batch is now compared micro-batch to
     micro-batch; a cutter that loses every valid token of a batch that has some still fails."""
-    from rlaudit.targets.batch_checks import microbatch_input, padding_complete
-    from rlaudit.targets.checks import StageEnv
+    from rlaudit.targets.stages.batch import microbatch_input, padding_complete
+    from rlaudit.targets.stages.registry import StageEnv
     batch = microbatch_input()
     empty = batch.with_fields(response_mask=torch.zeros_like(batch.mask))
     layouts = ((2, None, 16, 0), (1, 4, None, 1))
     env = StageEnv(ReferenceAdapter(), overrides={"microbatch_inputs": [empty],
                                                   "layouts": layouts})
     assert padding_complete(env).status == "pass"
-    from rlaudit.targets.identity_checks import loss_sums_to_batch
+    from rlaudit.targets.stages.identity import loss_sums_to_batch
     assert loss_sums_to_batch(env).status != FAIL       # nothing to sum: no false alarm
 
     class LosesEverything(ReferenceAdapter):
@@ -427,8 +427,8 @@ def test_whitened_inputs_below_float64_are_well_conditioned(case, est_setting):
     in float32 stays within the float32 stage tolerance of its float64 value (a trainer that is
     right up to rounding passes); a near-constant batch, which it must not be given, does not."""
     from rlaudit.algo.advantages import compute_advantages
-    from rlaudit.targets.declare import STAGE_TOLERANCES, scaled
-    from rlaudit.targets.fuzz_inputs import well_conditioned
+    from rlaudit.targets.contract.declare import STAGE_TOLERANCES, scaled
+    from rlaudit.targets.fuzz.strategies import well_conditioned
     est, setting = est_setting
     assume(well_conditioned(est, setting, case))
     kw = dict(token_level_rewards=case["token_level_rewards"], response_mask=case.mask,
@@ -444,8 +444,8 @@ def test_whitened_inputs_below_float64_are_well_conditioned(case, est_setting):
 def test_a_near_constant_whitened_batch_is_not_well_conditioned():
     """The input on which verl 0.9.1 (float32) missed rtol 2e-5 by 2x: one row, returns
     0.72..0.82 (max/std ~ 15)."""
-    from rlaudit.targets.cases import Case
-    from rlaudit.targets.fuzz_inputs import well_conditioned
+    from rlaudit.targets.inputs.cases import Case
+    from rlaudit.targets.fuzz.strategies import well_conditioned
     mask = torch.tensor([[True, True, True, True, False]])
     rewards = torch.tensor([[0.078125, 0.078125, 0.09375, 0.8125, 0.0]], dtype=torch.float64)
     zeros = torch.zeros_like(rewards)
@@ -473,7 +473,7 @@ def test_a_found_case_replays_in_a_fresh_process(tmp_path):
     (finding,) = report.findings
     repo = Path(__file__).resolve().parents[2]
     code = ("import sys; sys.path[:0] = [%r, %r]\n"
-            "from rlaudit.targets.found import replay\n"
+            "from rlaudit.targets.run.found import replay\n"
             "import broken_adapters as b\n"
             "r = replay(b.IgnoresClipHigh(), %r)\n"
             "print({c.invariant: c.status for c in r.checks}['policy_loss:parity'])"
@@ -489,8 +489,8 @@ def test_fuzzing_in_a_fresh_process_covers_every_check_module():
     from pathlib import Path
     repo = Path(__file__).resolve().parents[2]
     code = ("import sys, tempfile; sys.path[:0] = [%r]\n"
-            "from rlaudit.targets.fuzz import fuzz_target\n"
-            "from rlaudit.targets.reference import ReferenceAdapter\n"
+            "from rlaudit.targets.fuzz.stage_fuzz import fuzz_target\n"
+            "from rlaudit.targets.contract.own_adapters import ReferenceAdapter\n"
             "d = tempfile.mkdtemp()\n"
             "r = fuzz_target(ReferenceAdapter(), stages=['compute_advantages', 'policy_loss'],\n"
             "                budget=1, run_budget=0, found_dir=d, report_dir=d, write=False)\n"

@@ -9,8 +9,8 @@ import pytest
 
 import broken_adapters as broken
 from examples.toy_trainer import trainer as toy
-from rlaudit.targets import builtin
-from rlaudit.targets.runner import run_target_scenario
+from rlaudit.targets.inputs import builtin
+from rlaudit.targets.run.runner import run_target_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ import torch
 
 from examples.toy_trainer import adapter as toy_adapter
 from examples.toy_trainer import trainer as toy
-from rlaudit.scenarios.result import ERROR, FAIL, NA, PASS
-from rlaudit.targets.checks import run_stage_checks
-from rlaudit.targets.reference import ReferenceAdapter
-from rlaudit.targets.runner import run_target
+from rlaudit.verdict.result import ERROR, FAIL, NA, PASS
+from rlaudit.targets.stages import run_stage_checks
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
+from rlaudit.targets.run.runner import run_target
 
 pytestmark = pytest.mark.slow
 

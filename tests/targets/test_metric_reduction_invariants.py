@@ -18,10 +18,11 @@ from rlaudit.config import load_config
 from rlaudit.scenarios.invariants.base import with_overrides
 from rlaudit.scenarios.invariants.logged import logged_agg, microbatch_rows
 from rlaudit.scenarios.invariants.naive import naive_agg
-from rlaudit.scenarios.result import FAIL, PASS
-from rlaudit.targets import Difference, builtin
-from rlaudit.targets.reference import ReferenceAdapter
-from rlaudit.targets.runner import run_target_scenario
+from rlaudit.verdict.result import FAIL, PASS
+from rlaudit.targets import Difference
+from rlaudit.targets.inputs import builtin
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
+from rlaudit.targets.run.runner import run_target_scenario
 
 T, F = True, False
 

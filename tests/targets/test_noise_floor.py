@@ -1,10 +1,10 @@
-"""The run-level noise floor (rlaudit/targets/runner.py) is measured only when a check does not
+"""The run-level noise floor (rlaudit/targets/run/noise.py) is measured only when a check does not
 pass without it, and the checks come out exactly as if it had always been measured.
 
 The floor is the reference replayed with its weights perturbed at the target's unit roundoff
 (one more replay of every variant); it only ever adds slack to a bound. Each case below runs
 the built-in scenario twice, once as shipped and once with the floor always measured
-(``runner.CLEAN`` emptied: no status counts as clean), and compares every check.
+(``noise.CLEAN`` emptied: no status counts as clean), and compares every check.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 import broken_adapters as broken
 from examples.toy_trainer.adapter import ToyAdapter
-from rlaudit.scenarios.result import FAIL, PASS
-from rlaudit.targets import builtin, runner
+from rlaudit.verdict.result import FAIL, PASS
+from rlaudit.targets.inputs import builtin
+from rlaudit.targets.run import noise, runner
 from test_low_precision import BF16Toy
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def _run(adapter, tiny_model, rollout, monkeypatch, *, always: bool):
     with monkeypatch.context() as m:
         m.setattr(runner, "attach_noise_floor", counted)
         if always:
-            m.setattr(runner, "CLEAN", ())
+            m.setattr(noise, "CLEAN", ())
         scn = builtin.scenario(tiny_model, INVARIANTS,
                                ref_model_path=builtin.tiny_model_path(None, "llama"))
         res = runner.run_target_scenario(adapter, scn, rollout, invariants=INVARIANTS)

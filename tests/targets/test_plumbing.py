@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlaudit.targets.cases import default_cases, fixed_permutation, split_rows, with_garbage
-from rlaudit.targets.guard import AdapterRaised, Guard
+from rlaudit.targets.inputs.cases import default_cases, fixed_permutation, split_rows, with_garbage
+from rlaudit.targets.contract.guard import AdapterRaised, Guard
 
 
 def test_guard_sees_in_place_writes_even_of_equal_values():
@@ -75,7 +75,7 @@ def test_split_rows_and_permutation():
 
 
 def test_backend_adapters_name_their_backend():
-    from rlaudit.targets.reference import BackendAdapter, FSDPAdapter, MegatronAdapter
+    from rlaudit.targets.contract.own_adapters import BackendAdapter, FSDPAdapter, MegatronAdapter
     assert FSDPAdapter().name == "fsdp" and FSDPAdapter().layout == {"dp": 2}
     assert MegatronAdapter().name == "megatron"
     assert BackendAdapter("megatron", {"tp": 1}).layout == {"tp": 1}

@@ -10,9 +10,9 @@ import pytest
 import broken_adapters as broken
 from examples.toy_trainer.adapter import ToyAdapter
 from rlaudit.data.io import load_rollout
-from rlaudit.scenarios.result import FAIL, PASS
+from rlaudit.verdict.result import FAIL, PASS
 from rlaudit.scenarios.spec import load_scenario
-from rlaudit.targets.runner import run_target_scenario
+from rlaudit.targets.run.runner import run_target_scenario
 
 from conftest import REPO
 

@@ -11,10 +11,10 @@ import torch
 
 import broken_adapters as broken
 from examples.toy_trainer.adapter import ToyAdapter
-from rlaudit.scenarios.result import FAIL, NA, PASS
-from rlaudit.targets import builtin
-from rlaudit.targets.reference import ReferenceAdapter
-from rlaudit.targets.runner import run_target_scenario
+from rlaudit.verdict.result import FAIL, NA, PASS
+from rlaudit.targets.inputs import builtin
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
+from rlaudit.targets.run.runner import run_target_scenario
 
 # one xdist worker (``--dist loadgroup``) runs the whole module: most tests replay the reference
 # for the same variants of the built-in scenario, which the reference memo then answers once
@@ -57,7 +57,7 @@ def test_k3_without_its_clamp_is_a_convention_declared(tiny_model, builtin_rollo
     variants reach k3 > 10 on some tokens) until it declares the convention, then passes every
     invariant (found by a blind audit: a red that did not mean broken)."""
     from examples.toy_trainer import trainer as toy
-    from rlaudit.targets.declare import Difference
+    from rlaudit.targets.contract.declare import Difference
     plain = toy.kl_penalty
 
     def unclamped(logp, ref_logp, kind):
@@ -171,7 +171,7 @@ def test_unsupported_config_is_na_with_the_reason(tiny_model, builtin_rollout):
 
 
 def test_train_step_metrics_are_copies(tiny_model):
-    from rlaudit.targets.checks import run_stage_checks
+    from rlaudit.targets.stages import run_stage_checks
     stages = ["train_step"]
     good = {c.invariant: c for c in run_stage_checks(ToyAdapter(), stages=stages,
                                                      model_path=tiny_model).checks}
@@ -220,7 +220,7 @@ def test_unmodified_toy_adapter_is_green_on_every_shipped_scenario(scenario):
     measured noise floor (AdamW on near-zero gradients, lr 2.0 SGD over two steps, ...). Parity
     is the invariant every tolerance reaches (metrics, per-token tensors, parameters); the
     built-in scenario above runs every invariant on the toy."""
-    from rlaudit.targets.runner import run_target
+    from rlaudit.targets.run.runner import run_target
     results = run_target(ToyAdapter(), scenario_names=[scenario], stages=[],
                          invariants=["backend-parity"],
                          scenarios_dir=builtin.tiny_model_path().parents[1])
@@ -233,7 +233,7 @@ def test_unmodified_toy_adapter_is_green_on_every_shipped_scenario(scenario):
 def test_toy_adapter_fails_a_float64_scenario_without_its_precision(tiny_model):
     """The same toy declared exact float64 (no floor, no noise): the false alarm the floor
     exists for comes back (grad norm / parameters ~1e-7 off at float64 tolerances)."""
-    from rlaudit.targets.runner import run_target
+    from rlaudit.targets.run.runner import run_target
     exact = type("ExactToy", (ToyAdapter,), {"train_precision": "float64"})()
     (res,) = run_target(exact, scenario_names=["agg_token_mean"], stages=[],
                         invariants=["backend-parity"],
@@ -246,7 +246,7 @@ def test_a_kl_term_weighted_by_rollout_is_fails_rollout_is_stale():
     """A KL loss multiplied by the rollout IS weights (verl weights the policy loss alone) is
     seen only where a scenario has both, with weights away from 1 (tests/scenarios/
     test_scenario_data.py keeps rollout_is_stale so); the unmodified toy passes it above."""
-    from rlaudit.targets.runner import run_target
+    from rlaudit.targets.run.runner import run_target
     adapter = broken.KLWeightedByRolloutIS()
     (res,) = run_target(adapter, scenario_names=["rollout_is_stale"], stages=[],
                         invariants=["backend-parity"],
@@ -262,7 +262,7 @@ def test_an_ignored_dual_clip_bound_fails_ppo_dual_clip():
     the scenario (test_unmodified_toy_adapter_is_green_on_every_shipped_scenario)."""
     from rlaudit.config import ActorConfig
     from rlaudit.scenarios.spec import load_scenario, resolve
-    from rlaudit.targets.runner import run_target
+    from rlaudit.targets.run.runner import run_target
     root = builtin.tiny_model_path().parents[1]
     scn = load_scenario(resolve(["ppo_dual_clip"], all_=False, root=str(root))[0])
     assert scn.config.actor.clip_ratio_c != ActorConfig().clip_ratio_c

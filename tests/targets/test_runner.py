@@ -12,11 +12,11 @@ import torch
 
 import broken_adapters as broken
 from rlaudit.errors import InputError
-from rlaudit.scenarios.result import FAIL, NA, PASS
-from rlaudit.targets.adapter import load_adapter
-from rlaudit.targets.reference import ReferenceAdapter
-from rlaudit.targets import builtin
-from rlaudit.targets.runner import run_target
+from rlaudit.verdict.result import FAIL, NA, PASS
+from rlaudit.targets.contract.load import load_adapter
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
+from rlaudit.targets.inputs import builtin
+from rlaudit.targets.run.runner import run_target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -161,9 +161,9 @@ def test_a_target_run_says_on_stderr_what_it_left_out():
 def test_to_variant_run_validates_what_train_step_returns():
     from rlaudit.backends.base import Variant
     from rlaudit.config import Config
-    from rlaudit.targets.adapter import TrainStepOutput
-    from rlaudit.targets.backend_adapter import to_variant_run
-    from rlaudit.targets.batch_checks import microbatch_input
+    from rlaudit.targets.contract.adapter import TrainStepOutput
+    from rlaudit.targets.run.target_backend import to_variant_run
+    from rlaudit.targets.stages.batch import microbatch_input
     batch = microbatch_input()
     v = Variant("base", Config(), batch, steps=1)
     ok = TrainStepOutput(metrics=[{"actor/pg_loss": torch.tensor(0.5)}],

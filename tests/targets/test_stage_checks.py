@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import broken_adapters as broken
-from rlaudit.scenarios.result import FAIL, NA, PASS
-from rlaudit.targets.checks import run_stage_checks, stage_checks
-from rlaudit.targets.reference import ReferenceAdapter
+from rlaudit.verdict.result import FAIL, NA, PASS
+from rlaudit.targets.stages import run_stage_checks, stage_checks
+from rlaudit.targets.contract.own_adapters import ReferenceAdapter
 
 MATH_STAGES = ["compute_advantages", "apply_kl_in_reward", "kl_penalty", "agg_loss",
                "policy_loss", "make_microbatches", "distill_loss"]
@@ -186,7 +186,8 @@ def test_declared_names_restrict_and_unknown_names_are_input_errors():
 
 def test_stage_checks_leave_cases_untouched():
     """A mutating adapter must not corrupt the inputs other checks use (the guard copies)."""
-    from rlaudit.targets.checks import StageEnv, advantages_parity
+    from rlaudit.targets.stages import StageEnv
+    from rlaudit.targets.stages.advantage import advantages_parity
     env = StageEnv(broken.MutatesRewards())
     before = [c["token_level_rewards"].clone() for c in env.cases]
     with_garbage = [torch.where(c.mask, c["token_level_rewards"], 7.0) for c in env.cases]

@@ -13,7 +13,7 @@ import yaml
 from rlaudit.cli.main import main
 from rlaudit.errors import InputError, UnknownNameError
 from rlaudit.model.load import load_model
-from rlaudit.trainer.tasks import TASKS, Task
+from rlaudit.rollout.tasks import TASKS, Task
 from rlaudit.trainer.trainer import FilterExhausted, Trainer, TrainJob
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from rlaudit import switches
 from rlaudit.backends.base import ReplayRequest, Variant
 from rlaudit.backends.reference import torch_roles
 from rlaudit.config import load_config
@@ -331,9 +332,9 @@ def test_scopes_that_do_not_memoise(batch, monkeypatch):
     assert _delta(before) == {"hits": 0, "misses": 1, "not_stored": 0}
     # $RLAUDIT_FORWARD_MEMO, taken when a request is made
     assert ReplayRequest(model=MODEL).forward_memo is True
-    monkeypatch.setenv(forward_memo.ENV, "0")
+    monkeypatch.setenv(switches.FORWARD_MEMO, "0")
     assert ReplayRequest(model=MODEL).forward_memo is False
-    monkeypatch.setenv(forward_memo.ENV, "off")
+    monkeypatch.setenv(switches.FORWARD_MEMO, "off")
     with pytest.raises(InputError, match="RLAUDIT_FORWARD_MEMO.*expected 0 .off. or 1 .on."):
         ReplayRequest(model=MODEL)
 
@@ -420,7 +421,7 @@ def _replays(info, requests, backend):
 
 
 def _variants(batch):
-    from rlaudit.scenarios.engine import build_variants
+    from rlaudit.scenarios.variants import build_variants
     from rlaudit.scenarios.spec import load_scenario
 
     scn = load_scenario(os.path.join(ROOT, "kl_k1.yaml"))

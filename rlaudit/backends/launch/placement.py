@@ -27,9 +27,7 @@ import os
 import threading
 from typing import Sequence
 
-#: environment switch: "auto" (the default: pin when oversubscribed) or "off"
-PIN_ENV = "RLAUDIT_PIN_RANKS"
-
+from rlaudit import switches
 
 def usable_cpus() -> list[int]:
     """The cores this process may run on (its affinity: cgroups and ``taskset`` respected);
@@ -40,13 +38,8 @@ def usable_cpus() -> list[int]:
 
 
 def placement_enabled() -> bool:
-    value = os.environ.get(PIN_ENV, "auto").strip().lower()
-    if value not in ("auto", "off"):
-        from rlaudit.errors import InputError
-
-        raise InputError(f"expected 'auto' or 'off', got {value!r}", source="environment",
-                         key=PIN_ENV)
-    return value == "auto"
+    """``$RLAUDIT_PIN_RANKS``: ``auto`` (the default: pin when oversubscribed) or ``off``."""
+    return switches.pin_ranks()
 
 
 class CorePlacement:

@@ -42,13 +42,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from rlaudit.backends.launch import (_check_arguments, _check_env, _describe, _no_main_reimport,
-                                     _pickle_payload, _spec, _warn_teardown, host_store, launch)
-from rlaudit.backends.launch import _group, _rendezvous, _start
-from rlaudit.backends.launch._common import MASTER_ADDR, register_task_reset
-from rlaudit.backends.launch._group import FAILURE_GRACE_S, RankGroup
-from rlaudit.backends.launch._pool_worker import DONE, pool_rank_main
-from rlaudit.backends.launch._report import failure_message, order_outcomes
+from rlaudit.backends.launch import rank_group, rendezvous, start
+from rlaudit.backends.launch.launcher import (check_arguments, check_env, describe_fn, host_store,
+                                              launch, no_main_reimport, pickle_payload, rank_spec,
+                                              warn_teardown)
+from rlaudit.backends.launch.common import MASTER_ADDR, register_task_reset
+from rlaudit.backends.launch.rank_group import FAILURE_GRACE_S, RankGroup
+from rlaudit.backends.launch.pool_worker import DONE, pool_rank_main
+from rlaudit.backends.launch.outcomes import failure_message, order_outcomes
 from rlaudit.errors import InputError, RankFailure
 
 __all__ = ["PoolSet", "RankPool", "register_task_reset", "run_ranks", "warm_pools"]
@@ -67,14 +68,14 @@ class RankPool:
 
     def __init__(self, world_size: int, *, device: str = "cpu", backend: str | None = None,
                  env: Mapping[str, str] | None = None, threads_per_rank: int = 1,
-                 torch_timeout: float = _group.STARTUP_TIMEOUT_S):
-        self.backend = _check_arguments(world_size, backend, device, 1.0, threads_per_rank)
+                 torch_timeout: float = rank_group.STARTUP_TIMEOUT_S):
+        self.backend = check_arguments(world_size, backend, device, 1.0, threads_per_rank)
         self.world_size, self.device = world_size, device
-        # a pool's ranks are local: their gloo/NCCL sockets on loopback (launch._rendezvous)
-        self.env = {**_check_env(env),
-                    **_rendezvous.rank_socket_env(MASTER_ADDR, backend=self.backend)}
+        # a pool's ranks are local: their gloo/NCCL sockets on loopback (launch.rendezvous)
+        self.env = {**check_env(env),
+                    **rendezvous.rank_socket_env(MASTER_ADDR, backend=self.backend)}
         self.threads = threads_per_rank
-        self.torch_timeout = max(torch_timeout, _group.STARTUP_TIMEOUT_S)
+        self.torch_timeout = max(torch_timeout, rank_group.STARTUP_TIMEOUT_S)
         self.spawned = 0
         self.tasks = 0
         self._lock = threading.Lock()
@@ -96,17 +97,17 @@ class RankPool:
             kwargs: Mapping[str, Any] | None = None, timeout: float = 300.0) -> list[Any]:
         """Run ``fn(info, *args, **kwargs)`` on every rank of the pool; results in rank order."""
         if not isinstance(timeout, (int, float)) or not timeout > 0:
-            _check_arguments(self.world_size, self.backend, self.device, timeout, self.threads)
+            check_arguments(self.world_size, self.backend, self.device, timeout, self.threads)
         if getattr(fn, "__module__", None) == "__main__":
-            raise InputError(f"{_describe(fn)}: a warm pool's ranks do not import the main "
+            raise InputError(f"{describe_fn(fn)}: a warm pool's ranks do not import the main "
                              "script (they outlive it); put fn in a module, or use launch()",
                              source="run_ranks()", key="fn")
-        payload = _pickle_payload(fn, args, kwargs)
+        payload = pickle_payload(fn, args, kwargs)
         with self._lock:
             if self._group is None:
                 self._start(fn)
             self.tasks += 1
-            return self._run_task(payload, _describe(fn), timeout)
+            return self._run_task(payload, describe_fn(fn), timeout)
 
     def start(self) -> None:
         """Start the ranks now, if they are not up (``run`` starts them on first use otherwise)
@@ -127,10 +128,10 @@ class RankPool:
     def _start(self, fn) -> None:
         self._root = Path(tempfile.mkdtemp(prefix="rlaudit-pool-"))
         self._store = host_store(self.torch_timeout)  # the launcher's rendezvous, kept open
-        specs = [_spec(r, self.world_size, self.device, self.backend, self._root,
+        specs = [rank_spec(r, self.world_size, self.device, self.backend, self._root,
                        self._store.port, self.torch_timeout, self.threads, self.env)
                  for r in range(self.world_size)]
-        ctx = _start.context(self.device)  # CPU: forked from the preloaded forkserver
+        ctx = start.context(self.device)  # CPU: forked from the preloaded forkserver
         pipes = [ctx.Pipe() for _ in specs]
         self._conns = [parent for parent, _ in pipes]
         group = RankGroup(specs, None, target=pool_rank_main,
@@ -140,7 +141,7 @@ class RankPool:
         self._group = group
         self.spawned += 1
         try:
-            with _no_main_reimport(fn):  # fn is never from __main__ here (see run)
+            with no_main_reimport(fn):  # fn is never from __main__ here (see run)
                 group.start()
             for _, child in pipes:
                 child.close()  # the ranks hold their ends; EOF here means a rank is gone
@@ -149,11 +150,11 @@ class RankPool:
             self._shutdown()
             raise
         if why != "ready":
-            self._fail(why, fn_name="the pool's start-up", timeout=_group.STARTUP_TIMEOUT_S)
+            self._fail(why, fn_name="the pool's start-up", timeout=rank_group.STARTUP_TIMEOUT_S)
 
     def _wait_ready(self) -> str:
         group = self._group
-        deadline = time.monotonic() + _group.STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + rank_group.STARTUP_TIMEOUT_S
         first_failure = None
         while True:
             sentinels = {group.procs[r].sentinel: r for r in group.running()}
@@ -171,7 +172,7 @@ class RankPool:
                 return "timeout"
 
     def _run_task(self, payload: bytes, fn_name: str, timeout: float) -> list[Any]:
-        import torch
+        import torch  # lazy: opening warm_pools() must not wait for torch
 
         group = self._group
         task_id = next(self._ids)
@@ -200,7 +201,7 @@ class RankPool:
         finally:
             shutil.rmtree(task_dir, ignore_errors=True)
         if group.exitcodes:  # a rank left after delivering: the results stand, the group does not
-            _warn_teardown(group)
+            warn_teardown(group)
             self._shutdown()
         return results
 
@@ -248,7 +249,7 @@ class RankPool:
             self._shutdown()
         exc = RankFailure(failure_message(outcomes, fn_name=fn_name, world_size=self.world_size,
                                           timeout=timeout,
-                                          startup_timeout=_group.STARTUP_TIMEOUT_S))
+                                          startup_timeout=rank_group.STARTUP_TIMEOUT_S))
         exc.outcomes = outcomes
         raise exc
 
@@ -351,14 +352,26 @@ _ACTIVE_LOCK = threading.Lock()
 def warm_pools() -> Iterator[PoolSet]:
     """Within this block, :func:`run_ranks` reuses warm pools; they are closed on leaving it."""
     pools = PoolSet()
-    with _ACTIVE_LOCK:
-        _ACTIVE.append(pools)
+    activate(pools)
     try:
         yield pools
     finally:
-        with _ACTIVE_LOCK:
-            _ACTIVE.remove(pools)
+        deactivate(pools)
         pools.close()
+
+
+def activate(pools) -> None:
+    """Make ``pools`` (a :class:`PoolSet`, or any object with its interface: the Ray executor's
+    rank groups) the innermost active one: :func:`run_ranks` sends its tasks there."""
+    with _ACTIVE_LOCK:
+        _ACTIVE.append(pools)
+
+
+def deactivate(pools) -> None:
+    """Undo :func:`activate` (nothing if ``pools`` is not active)."""
+    with _ACTIVE_LOCK:
+        if pools in _ACTIVE:
+            _ACTIVE.remove(pools)
 
 
 def active() -> PoolSet | None:

@@ -34,13 +34,21 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rlaudit.backends import faults
 from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.launch.pool import run_ranks
+from rlaudit.backends.megatron import compat
+from rlaudit.backends.megatron.context import (CONFIG_OVERRIDES, MegatronContext,
+                                               finalize_grads_without_token_scaling)
+from rlaudit.backends.megatron.convert import load_hf_checkpoint, load_hf_weights
+from rlaudit.backends.megatron.model import (build_gpt_model, check_layout,
+                                             freeze_padding_embedding, hf_model_spec)
 from rlaudit.backends.replay import replay_variant
 from rlaudit.data.io import rollout_sha256
 from rlaudit.errors import InputError
+from rlaudit.model.load import load_tokenizer
 from rlaudit.update import forward_memo
 from rlaudit.update.step import Roles, needs_ref
 
@@ -69,8 +77,6 @@ def parse_layout(layout: dict) -> tuple[int, int, int]:
 
 def check_request(request: ReplayRequest) -> tuple[int, int, int]:
     """Validate layout, dtype and the snapshots' split before any rank is spawned."""
-    from rlaudit.backends.megatron.model import check_layout, hf_model_spec
-
     tp, pp, dp = parse_layout(request.layout)
     if request.dtype not in DTYPES:
         raise InputError(f"expected one of {list(DTYPES)}, got {request.dtype!r}", key="dtype")
@@ -87,13 +93,9 @@ def check_request(request: ReplayRequest) -> tuple[int, int, int]:
 
 def _actor_context(checkpoint, variant: Variant, *, dtype, device, pad_id):
     """Actor: GPTModel stage -> megatron DDP -> megatron optimizer, in a MegatronContext."""
+    # lazy: megatron-core: optional, 4 s import
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from rlaudit.backends.megatron.context import (CONFIG_OVERRIDES, MegatronContext,
-                                                   finalize_grads_without_token_scaling)
-    from rlaudit.backends.megatron.convert import load_hf_weights
-    from rlaudit.backends.megatron.model import build_gpt_model, freeze_padding_embedding
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # lazy: as above
 
     hf_config, hf_sd = checkpoint
     optim = variant.config.actor.optim
@@ -121,10 +123,6 @@ def _actor_context(checkpoint, variant: Variant, *, dtype, device, pad_id):
 
 def _ref_context(checkpoint, *, dtype, device, pad_id):
     """Reference policy: a bare GPTModel stage in eval mode, no gradients (forward-only)."""
-    from rlaudit.backends.megatron.context import CONFIG_OVERRIDES, MegatronContext
-    from rlaudit.backends.megatron.convert import load_hf_weights
-    from rlaudit.backends.megatron.model import build_gpt_model
-
     hf_config, hf_sd = checkpoint
     model = build_gpt_model(hf_config, dtype=dtype, overrides=CONFIG_OVERRIDES).to(device)
     load_hf_weights(model, hf_sd, hf_config)
@@ -137,10 +135,6 @@ def replay_in_rank(info, request: ReplayRequest) -> dict[str, VariantRun]:
 
     Global rank 0 returns full VariantRuns; other ranks only what :func:`merge_ranks` reads
     (metrics, micro-batch logs), so results stay small."""
-    from rlaudit.backends.megatron import compat
-    from rlaudit.backends.megatron.convert import load_hf_checkpoint
-    from rlaudit.model.load import load_tokenizer
-
     tp, pp, dp = parse_layout(request.layout)
     if info.world_size != tp * pp * dp:
         raise InputError(f"{info.world_size} ranks cannot hold tp*pp*dp = {tp * pp * dp}",
@@ -219,13 +213,10 @@ class MegatronBackend:
     name = "megatron"
 
     def available(self) -> tuple[bool, str]:
-        from rlaudit.backends.megatron import compat
-
         try:
             compat.check_version()
         except InputError as e:
             return False, str(e)
-        import torch.distributed as dist
         if not dist.is_available():
             return False, "torch.distributed is not available"
         return True, ""

@@ -35,11 +35,14 @@ import collections
 import contextlib
 import functools
 import importlib
+from importlib import metadata
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from rlaudit.backends.launch.pool import register_task_reset
+from rlaudit.backends.megatron.imports import import_megatron
 from rlaudit.errors import InputError
 
 TESTED_VERSIONS = ("0.16.1",)
@@ -141,6 +144,7 @@ def _install_torch_view(module_name: str, reason: str) -> None:
 # --------------------------------------------------------------------------- RNG tracker
 
 def _patch_rng_tracker() -> None:
+    # lazy: megatron-core: optional, 4 s import
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker_cls = mrandom.CudaRNGStatesTracker
@@ -205,8 +209,9 @@ def _with_cuda_type_strings(fn: Callable) -> Callable:
 
 
 def _patch_type_checks() -> None:
+    # lazy: megatron-core: optional, 4 s import
     from megatron.core.optimizer import clip_grads, distrib_optimizer
-    from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.optimizer import optimizer as moptimizer  # lazy: as above
 
     wrapped = _with_cuda_type_strings(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = wrapped
@@ -227,14 +232,12 @@ def megatron_version() -> str:
 
     From the package metadata when there is one: importing megatron.core takes seconds and warns
     eight times, and a process that only checks availability (the CLI) should not pay that."""
-    from importlib import metadata
-
     try:
         return metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         pass  # a source checkout on the path, perhaps
     try:
-        import megatron.core
+        import megatron.core  # lazy: megatron-core: optional, 4 s import
     except ImportError as e:
         raise InputError("megatron-core is not installed; install rlaudit[megatron] "
                          f"(megatron-core=={TESTED_VERSIONS[-1]})", source="megatron-core") from e
@@ -279,8 +282,6 @@ def init_megatron(tp: int = 1, pp: int = 1, *, seed: int = 1234) -> None:
     size is ``world_size // (tp * pp)``. Rank layout is megatron's default order (tp-cp-ep-dp-pp:
     TP ranks are adjacent). Call :func:`teardown_megatron` before destroying the process group.
     """
-    import torch.distributed as dist
-
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or value < 1:
             raise InputError(f"expected a positive int, got {value!r}", source="init_megatron",
@@ -292,12 +293,11 @@ def init_megatron(tp: int = 1, pp: int = 1, *, seed: int = 1234) -> None:
     if world % (tp * pp):
         raise InputError(f"world size {world} is not divisible by tp*pp = {tp * pp}",
                          source="init_megatron", key="tp, pp")
-    from rlaudit.backends.megatron.imports import import_megatron
 
     import_megatron()  # a spawned rank's first import: torch.compile's wrappers deferred
     apply_cpu_patches()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core import parallel_state  # lazy: megatron-core: optional, 4 s import
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # lazy: as above
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -310,7 +310,7 @@ def init_megatron(tp: int = 1, pp: int = 1, *, seed: int = 1234) -> None:
 def teardown_megatron() -> None:
     """Destroy megatron's parallel state (safe to call when it was never initialised)."""
     try:
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # lazy: megatron-core: optional, 4 s import
     except ImportError:
         return
     parallel_state.destroy_model_parallel()

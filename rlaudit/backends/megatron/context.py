@@ -68,6 +68,7 @@ def finalize_grads_without_token_scaling(model_chunks, num_tokens=None, **kwargs
     """``config.finalize_model_grads_func``: megatron's ``finalize_model_grads`` (DP gradient
     all-reduce or reduce-scatter, embedding/LayerNorm all-reduces) with ``num_tokens=None``: the
     loss contributions are already divided by the mini-batch's global denominators."""
+    # lazy: megatron-core: optional, 4 s import
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model_chunks, None, **kwargs)
@@ -106,7 +107,7 @@ class MegatronContext:
     own float32 norm of the same gradients}."""
 
     def __post_init__(self):
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # lazy: megatron-core: optional, 4 s import
 
         self._dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -147,6 +148,7 @@ class MegatronContext:
             self.micro_log.append([describe_micro(m) for m in micros])
         if not micros:  # this DP rank has no rows (forward-only): no collective to join
             return []
+        # lazy: megatron-core: optional, 4 s import
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         first = micros[0]
@@ -224,7 +226,7 @@ class MegatronContext:
 
         Mirrors megatron's ``ChainedOptimizer.step``: prepare_grads, get_grad_norm, clip each
         inner optimizer's parameters by the total norm, step_with_ready_grads."""
-        from megatron.core.optimizer import clip_grads
+        from megatron.core.optimizer import clip_grads  # lazy: megatron-core: optional, 4 s import
 
         opt = self.optimizer
         found_inf = opt.prepare_grads()          # DDP main grads -> the optimizer's grads

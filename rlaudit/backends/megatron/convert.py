@@ -44,10 +44,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from rlaudit.backends.megatron.model import (HFModelSpec, check_layout, hf_model_spec,
                                              padded_vocab_size)
 from rlaudit.errors import CheckFailed, InputError
+from rlaudit.update.collectives import all_gather_tensor_dicts
 
 EMBED = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -143,7 +145,7 @@ def module_names(hf_config: Any, *, pp_rank: int = 0, pp_size: int = 1) -> dict[
 
 def module_names_of_stage(hf_config: Any) -> dict[str, str]:
     """:func:`module_names` of this rank's pipeline stage (from ``megatron.core.parallel_state``)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron-core: optional, 4 s import
 
     return module_names(hf_config, pp_rank=ps.get_pipeline_model_parallel_rank(),
                         pp_size=ps.get_pipeline_model_parallel_world_size())
@@ -261,7 +263,7 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
 
 # --------------------------------------------------------------------------- with a live model
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module  # megatron DDP / Float16Module wrappers
     return model
@@ -273,14 +275,14 @@ def load_hf_weights(model: torch.nn.Module, hf_sd: Mapping[str, torch.Tensor],
 
     Ranks come from ``megatron.core.parallel_state``. Values are cast to the model's dtype.
     """
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron-core: optional, 4 s import
 
     sd = hf_to_megatron(hf_sd, hf_config,
                         tp_rank=ps.get_tensor_model_parallel_rank(),
                         tp_size=ps.get_tensor_model_parallel_world_size(),
                         pp_rank=ps.get_pipeline_model_parallel_rank(),
                         pp_size=ps.get_pipeline_model_parallel_world_size())
-    params = dict(_unwrap(model).named_parameters())
+    params = dict(unwrap_model(model).named_parameters())
     missing, extra = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
     if missing or extra:
         raise InputError(f"state dict does not match the model: missing={missing} extra={extra}",
@@ -304,12 +306,9 @@ def gather_hf_state_dict(model: torch.nn.Module, hf_config: Any, *,
     Tensors travel as raw bytes (:func:`~rlaudit.update.collectives.all_gather_tensor_dicts`);
     the result holds CPU copies.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron-core: optional, 4 s import
 
-    from rlaudit.update.collectives import all_gather_tensor_dicts
-
-    local = (dict(_unwrap(model).named_parameters()) if tensors is None else dict(tensors))
+    local = (dict(unwrap_model(model).named_parameters()) if tensors is None else dict(tensors))
     device = next(iter(local.values())).device if local else torch.device("cpu")
     group = ps.get_model_parallel_group()
     where = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
@@ -324,8 +323,9 @@ def gather_hf_state_dict(model: torch.nn.Module, hf_config: Any, *,
 
 def load_hf_checkpoint(folder: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """``(config, state_dict)`` of an HF model folder (config.json + *.safetensors, no download)."""
+    # lazy: transformers: 2 s import, only where a model is built or loaded
     from safetensors.torch import load_file
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: as above
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():

@@ -53,11 +53,12 @@ def import_megatron() -> None:
     docstring); nothing to do when it is imported already."""
     if "megatron.core" in sys.modules:
         return
-    import torch
+    import torch  # lazy: only to import megatron-core, which needs torch anyway
 
     real = torch.compile
     torch.compile = deferred_compile(real)
     try:
+        # lazy: importing megatron-core under the deferred compile is this function's job
         import megatron.core  # noqa: F401
     finally:
         torch.compile = real

@@ -148,6 +148,7 @@ def gpt_config_from_hf(hf_config: Any, *, tp: int = 1, pp: int = 1,
     """
     spec = hf_model_spec(hf_config)
     check_layout(spec, tp=tp, pp=pp)  # before importing megatron: errors stay cheap
+    # lazy: megatron-core: optional, 4 s import
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     known = {f.name for f in fields(TransformerConfig)}
@@ -197,9 +198,9 @@ def build_gpt_model(hf_config: Any, *, dtype: torch.dtype = torch.float32,
     Load weights with :func:`rlaudit.backends.megatron.convert.load_hf_weights`.
     ``overrides``: extra TransformerConfig fields (see :func:`gpt_config_from_hf`).
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state  # lazy: megatron-core: optional, 4 s import
+    from megatron.core.models.gpt import GPTModel  # lazy: as above
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # lazy: as above
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -283,8 +284,8 @@ def pipeline_forward(model, micro_batches: Iterable[tuple[torch.Tensor, torch.Te
     ``[b, s, V_pad/tp]`` or, if given, ``on_logits(logits_shard, index)`` (e.g. log-probs, so that
     full logits are not kept). Returns None on other stages.
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core import parallel_state  # lazy: megatron-core: optional, 4 s import
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # lazy: as above
 
     batches = list(micro_batches)
     if not batches:

@@ -20,23 +20,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlaudit.backends.megatron.convert import (_unwrap, gather_hf_state_dict,
-                                               module_names_of_stage)
+from rlaudit.backends.hooks import ModuleHooks
+from rlaudit.backends.megatron.convert import (gather_hf_state_dict, module_names_of_stage,
+                                               unwrap_model)
 from rlaudit.backends.megatron.model import hf_model_spec
-from rlaudit.backends.probe import ModuleHooks
 
 OUTPUT_LAYER = "output_layer"
 
 
 def attach_hooks(ctx) -> ModuleHooks:
     """Hooks on this stage's modules (local megatron names), sequence-first outputs."""
-    named = dict(_unwrap(ctx.model).named_modules())
+    named = dict(unwrap_model(ctx.model).named_modules())
     return ModuleHooks({mg: named[mg] for mg in module_names_of_stage(ctx.hf_config)
                         if mg in named}, batch_dim=1)
 
 
 def _gather_vocab(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron-core: optional, 4 s import
 
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1:
@@ -49,7 +49,7 @@ def _gather_vocab(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def collect(ctx, hooks: ModuleHooks) -> tuple[dict, dict]:
     """(outputs, gradients at the outputs) of every stage under HF module names, batch-first,
     on CPU; every rank of the model-parallel group must call it."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: megatron-core: optional, 4 s import
 
     names = module_names_of_stage(ctx.hf_config)
     vocab = hf_model_spec(ctx.hf_config).vocab_size
@@ -78,7 +78,7 @@ def hf_grads(ctx) -> dict[str, torch.Tensor] | None:
     if getattr(ddp_cfg, "use_distributed_optimizer", False) and ctx.dp_size > 1:
         return None
     tensors = {}
-    for name, p in _unwrap(ctx.model).named_parameters():
+    for name, p in unwrap_model(ctx.model).named_parameters():
         g = getattr(p, "main_grad", None)
         if g is None:
             g = p.grad if p.grad is not None else torch.zeros_like(p)

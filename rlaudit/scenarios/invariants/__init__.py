@@ -1,4 +1,4 @@
-"""The invariant registry: named checks implementing the ten families of ARCHITECTURE.md.
+"""The invariant registry: named checks, each of a family (docs/scenarios.md, docs/internals.md).
 
     from rlaudit.scenarios.invariants import INVARIANTS
     INVARIANTS.get("stored-kl-unaltered").doc
@@ -6,6 +6,7 @@
 
 from rlaudit.scenarios.invariants import (health, identities, metamorphic, parity,  # noqa: F401
                                            reward, rollout_corr, seeds)
-from rlaudit.scenarios.invariants.base import INVARIANTS, CheckContext, Invariant
+from rlaudit.scenarios.invariants.base import (INVARIANTS, CheckContext, Invariant,
+                                               catalogue_section)
 
-__all__ = ["INVARIANTS", "CheckContext", "Invariant"]
+__all__ = ["INVARIANTS", "CheckContext", "Invariant", "catalogue_section"]

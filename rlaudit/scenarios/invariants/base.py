@@ -1,6 +1,7 @@
 """The invariant registry and the context invariants read.
 
-An invariant has a name, a family (ARCHITECTURE.md's ten), a docstring with the math, a
+An invariant has a name, a family (metamorphic, identity, parity, ...: ``rlaudit list
+invariants``, docs/scenarios.md), a docstring with the math, a
 ``variants`` hook that asks for the extra runs it needs (re-cut batch, permuted rows, a flipped
 flag, ...), and a ``check`` that turns the runs of every backend into CheckResults.
 """
@@ -15,10 +16,11 @@ import torch
 
 from rlaudit.algo.registry import Registry
 from rlaudit.backends.base import Variant, VariantRun
-from rlaudit.config import Config, from_dict, to_dict
+from rlaudit.config import Config
+from rlaudit.dicts import from_dict, to_dict
 from rlaudit.data.batch import RolloutBatch
-from rlaudit.scenarios.result import FAIL, NA, PASS, CheckResult
-from rlaudit.scenarios.spec import Scenario, Tolerance
+from rlaudit.scenarios.spec import Scenario
+from rlaudit.verdict.result import FAIL, NA, PASS, CheckResult
 
 
 @dataclass
@@ -98,6 +100,13 @@ def invariant(name: str, family: str, *, variants=None, partial: bool = False):
     return deco
 
 
+def catalogue_section() -> list[dict]:
+    """The "invariants" section of rlaudit.catalogue's name cache: name, family and doc of every
+    registered invariant (complete once rlaudit.scenarios.invariants has imported its modules)."""
+    return [{"name": n, "family": INVARIANTS.get(n).family, "doc": INVARIANTS.get(n).doc}
+            for n in INVARIANTS]
+
+
 # ---- helpers shared by invariant modules ------------------------------------------------------
 
 def with_overrides(cfg: Config, **dotted) -> Config:
@@ -116,67 +125,6 @@ def base_variant(scn: Scenario, batch: RolloutBatch, name: str, *, steps: int = 
                  **overrides) -> Variant:
     cfg = with_overrides(scn.config, **overrides) if overrides else dataclasses.replace(scn.config)
     return Variant(name=name, config=cfg, batch=batch, steps=steps)
-
-
-def rel_diff(got: torch.Tensor | float, want: torch.Tensor | float) -> float:
-    """max |got - want| / max(|want|, tiny) over elements."""
-    got = torch.as_tensor(got, dtype=torch.float64)
-    want = torch.as_tensor(want, dtype=torch.float64)
-    if got.numel() == 0:
-        return 0.0
-    return float(((got - want).abs() / want.abs().clamp_min(1e-12)).max())
-
-
-def compare_tensors(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tolerance,
-                    mask: torch.Tensor | None = None, *, top: int = 3,
-                    slack: torch.Tensor | float = 0.0) -> tuple[bool, str, dict]:
-    """Elementwise |got - want| <= atol + rtol*|want| + slack where ``mask``; message names the
-    worst (row, token) entries. ``slack`` (a scalar or a tensor like ``want``): a measured noise
-    floor (rlaudit.scenarios.invariants.compare.NOISE_FACTOR)."""
-    got = got.double()
-    want = want.double()
-    if got.shape != want.shape:
-        return False, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}", {}
-    # the passing case in few full-size operations (a model's parameters: 56 compares of 364k
-    # entries in kl_k1); err > bound is err - bound > 0 for every pair of doubles
-    err = (got - want).abs_()
-    bound = want.abs().mul_(tol.rtol).add_(tol.atol).add_(slack)
-    bad = err > bound
-    # NaN/inf where the expectation is finite is a failure (NaN > bound is False)
-    if not bool(torch.isfinite(got).all()):
-        bad |= ~torch.isfinite(got) & torch.isfinite(want)
-    if mask is not None:
-        mask = mask.bool()
-        bad &= mask
-        err_in = torch.where(mask, err, torch.zeros_like(err))
-    else:
-        err_in = err
-    worst_abs = float(err_in.max()) if got.numel() else 0.0
-    details = {"max_abs_diff": worst_abs}
-    if not bool(bad.any()):
-        return True, f"{name}: max |diff| {worst_abs:.3g}", details
-    # the worst first, among the entries out of tolerance only (an entry whose expectation is
-    # NaN is never one); a non-finite entry counts as infinitely far out
-    excess = (err - bound).nan_to_num(nan=float("inf"), posinf=float("inf"))
-    flat = torch.where(bad, excess, -float("inf")).flatten()
-    idx = torch.topk(flat, min(top, int(bad.sum()))).indices
-    worst = []
-    for i in idx.tolist():
-        pos = list(torch.unravel_index(torch.tensor(i), got.shape))
-        pos = [int(p) for p in pos]
-        worst.append({"index": pos, "got": float(got.flatten()[i]), "want": float(want.flatten()[i])})
-    details["worst"] = worst
-    # how many times its bound the farthest entry is off (a near miss of a measured noise
-    # floor is measured again: rlaudit/targets/runner.py); inf for a zero bound or non-finite
-    ratio = torch.where(bad, err / bound, 0.0).nan_to_num(nan=float("inf"))
-    details["missed_by"] = float(ratio.max())
-    w = worst[0]
-    floor = ""
-    if isinstance(slack, torch.Tensor) or slack:
-        floor = f", noise floor up to {float(torch.as_tensor(slack).max()):.2g}"
-    return False, (f"{name}: {int(bad.sum())} entries out of tolerance (rtol={tol.rtol:g}, "
-                   f"atol={tol.atol:g}{floor}); worst at {w['index']}: {w['got']:.6g} vs "
-                   f"{w['want']:.6g}"), details
 
 
 def result(inv: str, backend: str, ok: bool, message: str, details=None, drift=None) -> CheckResult:

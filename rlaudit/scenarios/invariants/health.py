@@ -7,9 +7,11 @@ import math
 import torch
 
 from rlaudit.metrics import CATALOGUE
-from rlaudit.scenarios.invariants.base import (CheckContext, compare_tensors, invariant,
-                                               not_applicable, result)
-from rlaudit.scenarios.spec import Tolerance
+from rlaudit.model.load import snapshot_id
+from rlaudit.scenarios.invariants.base import CheckContext, invariant, not_applicable, result
+from rlaudit.verdict.compare import NOISE_FACTOR, masked_spread
+from rlaudit.verdict.tensors import compare_tensors
+from rlaudit.verdict.tolerance import Tolerance
 
 #: slack for bounds checks on values that are exact in theory (fractions, entropy >= 0)
 BOUND_SLACK = 1e-9
@@ -72,7 +74,6 @@ def rollout_parity(ctx: CheckContext):
     scn = ctx.scenario
     sampled_by = ctx.batch.meta.get("model_snapshot_id")
     if sampled_by and scn.model is not None:
-        from rlaudit.model.load import snapshot_id
         if snapshot_id(scn.model) != sampled_by:
             why = (f"the rollout was sampled by another snapshot ({ctx.batch.meta.get('model')}, "
                    f"id {sampled_by}) than the scenario's model: off-policy by design")
@@ -98,10 +99,9 @@ def rollout_parity(ctx: CheckContext):
 def _log_prob_noise(ctx: CheckContext) -> float:
     """A target's measured noise floor on the step-0 log-probs (NOISE_FACTOR times the largest
     move of a valid token when the reference replays with its weights perturbed at the target's
-    unit roundoff: rlaudit/targets/runner.py); 0 for rlaudit's own backends. A bf16 trainer's
+    unit roundoff: rlaudit/targets/run/runner.py); 0 for rlaudit's own backends. A bf16 trainer's
     log-probs sit ~0.2 from an exact sampler's on these models, while the bugs this invariant
     exists for (temperature twice or missing, another policy) move them by whole units."""
-    from rlaudit.scenarios.invariants.compare import NOISE_FACTOR, masked_spread
     base = ctx.runs.get("reference", {}).get("base")
     noise = getattr(base, "noise", None)
     if noise is None or "probe_log_probs" not in noise.tokens or \

@@ -118,9 +118,10 @@ def on_policy_identities(ctx: CheckContext):
 
 #: the aggregation of the entropy pair (cfg:entropy0 / cfg:entropy) when the scenario's own is
 #: token-mean: under token-mean a trainer that adds its entropy bonus as a token mean whatever
-#: ``loss_agg_mode`` says is right, so the pair would never show it (a blind audit, 2026-11-27:
-#: the toy trainer with that bug passed --all; scenarios with an entropy bonus under token-mean,
-#: rollout_temperature and megatron_padded_vocab, catch the opposite fixed choice)
+#: ``loss_agg_mode`` says is right, so the pair would never show it (a trainer with that
+#: ignored-aggregation bug passes every token-mean scenario; scenarios with an entropy bonus
+#: under token-mean, rollout_temperature and megatron_padded_vocab, catch the opposite fixed
+#: choice)
 ENTROPY_PAIR_AGG = "seq-mean-token-mean"
 #: cfg:agg:seq-mean-token-sum-norm's loss_scale_factor, in padded widths (when the scenario sets
 #: none)
@@ -142,7 +143,7 @@ def _config_variants(scn, batch):
         extra = {}
         if mode == "seq-mean-token-sum-norm" and scn.config.actor.loss_scale_factor is None:
             # a horizon of its own, not the padded width it defaults to: a trainer that ignores
-            # loss_scale_factor is right at the default (a blind audit, 2026-11-27)
+            # loss_scale_factor is right at the default (an ignored-setting bug hides there)
             extra["actor.loss_scale_factor"] = float(SUM_NORM_HORIZON * batch.response_width)
         vs.append(base_variant(scn, batch, f"cfg:agg:{mode}", **o, **extra,
                                **{"actor.loss_agg_mode": mode, "actor.loss_mode": "vanilla"}))

@@ -8,7 +8,7 @@ from rlaudit.metrics import golden_names, spec
 from rlaudit.data.transforms import append_padding, permute_rows_within_blocks, perturb_masked
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
                                                not_applicable, result)
-from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.verdict.compare import compare_runs
 
 
 def _mb_rows(scn, batch) -> int:
@@ -149,8 +149,8 @@ def row_permutation(ctx: CheckContext):
     across them (``permutation:across``: each mini-batch then holds rows of other groups) and
     what a step derives from the whole batch before the update (:data:`BEFORE_UPDATE`:
     advantages, returns, rewards, KL, old and reference log-probs) is compared row for row: a
-    trainer computing advantages per mini-batch or per rank fails it (a seventh blind audit's
-    trainer was green wherever a mini-batch held whole groups)."""
+    trainer computing advantages per mini-batch or per rank fails it (such a trainer is green
+    wherever a mini-batch holds whole groups: the group statistics come out the same)."""
     scn = ctx.scenario
     _, perm = permute_rows_within_blocks(ctx.batch, _mb_rows(scn, ctx.batch), seed=1234)
     out = _check_against_base(ctx, "row-permutation", "permutation", "rows permuted",

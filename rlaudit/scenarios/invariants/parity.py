@@ -5,7 +5,7 @@ and entropy, losses, grad norm, updated parameters, and the set of metric names.
 from __future__ import annotations
 
 from rlaudit.scenarios.invariants.base import CheckContext, invariant, not_applicable, result
-from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.verdict.compare import compare_runs
 from rlaudit.scenarios.invariants.metamorphic import cut_invariant_metrics
 
 ORACLE = "reference"

@@ -9,9 +9,10 @@ import torch
 
 from rlaudit.algo.dapo import RAW_SCORE_METRICS
 from rlaudit.data.io import load_rollout
-from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, compare_tensors,
-                                               invariant, not_applicable, result,
-                                               with_overrides)
+from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
+                                               not_applicable, result, with_overrides)
+from rlaudit.update.step import select_groups
+from rlaudit.verdict.tensors import compare_tensors
 
 #: the variant that filters on the other kind of metric (see :func:`_other_metric_variants`)
 OTHER_METRIC = "cfg:filter-metric"
@@ -44,7 +45,6 @@ def _other_metric_variants(scn, batch):
     cfg = scn.config
     if not (cfg.algorithm.filter_groups.enable and cfg.reward.overlong_buffer.enable):
         return []
-    from rlaudit.update.step import select_groups
     other = with_overrides(cfg, **{"algorithm.filter_groups.metric":
                                    _other_metric(cfg.algorithm.filter_groups.metric)})
     rows, _ = select_groups(load_rollout(scn.rollout), other)

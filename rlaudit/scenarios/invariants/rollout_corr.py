@@ -85,57 +85,17 @@ def rollout_correction(ctx: CheckContext):
             continue
         problems, compared, figures = [], 0, []
         for level, name, run in zip(LEVELS, names, runs):
-            batch, mask = ctx.batch_of(name), ctx.mask(name)
-            cfg = ctx.variant(name).config
             old = run.tokens.get("old_log_probs", run.tokens.get("probe_log_probs"))
             if old is None:     # nothing to recompute the weights from (targets: n/a via NEEDS)
                 continue
-            rollout = batch["rollout_log_probs"]
-            w, outside = naive_is_weights(old.double(), rollout.double(), mask, level=level,
-                                          threshold=rc.rollout_is_threshold,
-                                          mode=rc.rollout_is_mode,
-                                          lower=rc.rollout_is_threshold_lower)
-            w_t = torch.tensor(w, dtype=torch.float64)
-            n_tok = int(mask.sum())
-            want = {"rollout_corr/is_weight_mean": float(w_t[mask].sum()) / max(n_tok, 1)}
-            out_rows = [any(r) for r in outside]
-            if level == "token":
-                want["rollout_corr/is_clipfrac"] = sum(map(sum, outside)) / max(n_tok, 1)
-            else:
-                rows = [bool(mask[i].any()) for i in range(len(outside))]
-                want["rollout_corr/is_clipfrac"] = (sum(o for o, r in zip(out_rows, rows) if r)
-                                                    / max(sum(rows), 1))
+            mask, cfg = ctx.mask(name), ctx.variant(name).config
+            rollout = ctx.batch_of(name)["rollout_log_probs"]
+            w, want = _recomputed(level, old.double(), rollout.double(), mask, rc, cfg, run)
             figures.append(f"{level}: mean w {want['rollout_corr/is_weight_mean']:.3g}, "
                            f"{want['rollout_corr/is_clipfrac']:.0%} outside")
-            want.update(_mismatch(old.double(), rollout.double(), mask))
-            if "advantages" in run.tokens and cfg.actor.loss_mode != "cispo":
-                want["actor/pg_loss"] = naive_agg(-run.tokens["advantages"].double() * w_t, mask,
-                                                  cfg.actor.loss_agg_mode,
-                                                  cfg.actor.loss_scale_factor)
-            if cfg.actor.rollout_correction.use_rollout_kl_loss:
-                kind = cfg.actor.rollout_correction.rollout_kl_loss_type
-                mat = naive_kl(old.double(), rollout.double(), kind,
-                               k3_clamp=cfg.algorithm.k3_clamp)
-                if mat is not None:
-                    want["actor/rollout_kl"] = naive_agg(mat, mask, cfg.actor.loss_agg_mode,
-                                                         cfg.actor.loss_scale_factor)
-            got = run.steps[0]
-            for metric, value in want.items():
-                if metric not in got:
-                    continue
-                compared += 1
-                if not scn.tol(metric).close(got[metric], value):
-                    problems.append(f"{name}: {metric} = {got[metric]:.10g}, recomputed "
-                                    f"{value:.10g}")
-            tw = run.tokens.get("rollout_is_weights")
-            if tw is not None:
-                compared += 1
-                tol = scn.tol("rollout_is_weights")
-                bad = mask & ((tw.double() - w_t).abs() > tol.atol + tol.rtol * w_t.abs())
-                if bool(bad.any()):
-                    i, t = [int(x) for x in bad.nonzero()[0]]
-                    problems.append(f"{name}: rollout_is_weights[{i}, {t}] = {float(tw[i, t]):.6g}, "
-                                    f"recomputed {w[i][t]:.6g} ({int(bad.sum())} tokens differ)")
+            n, bad = _compare_level(scn, name, run, want, w, mask)
+            compared += n
+            problems += bad
         if not compared and not problems:
             out.append(not_applicable("rollout-correction", b, "no IS weight, IS metric or "
                                       "pg_loss reported to compare"))
@@ -143,6 +103,65 @@ def rollout_correction(ctx: CheckContext):
         out.append(result("rollout-correction", b, not problems, "; ".join(problems[:3]) or
                           f"{compared} values agree with the recomputation ({'; '.join(figures)})"))
     return out
+
+
+def _recomputed(level: str, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc,
+                cfg, run) -> tuple[list[list[float]], dict[str, float]]:
+    """The IS weights w [B][R] at ``level`` recomputed by loops from ``old`` and ``rollout``
+    log-probs [B, R] (float64) under ``mask`` [B, R], and the metrics they imply: the weight mean
+    over valid tokens, the clip fraction (per valid token at ``token`` level, per row with a
+    valid token otherwise), the mismatch metrics, ``actor/pg_loss`` from the run's advantages
+    (not for cispo) and ``actor/rollout_kl`` when that loss is on. ``rc``: the scenario's
+    rollout-correction settings (threshold, mode); ``cfg``: the variant's config."""
+    kl = cfg.actor.rollout_correction
+    w, outside = naive_is_weights(old, rollout, mask, level=level,
+                                  threshold=rc.rollout_is_threshold, mode=rc.rollout_is_mode,
+                                  lower=rc.rollout_is_threshold_lower)
+    w_t = torch.tensor(w, dtype=torch.float64)
+    n_tok = int(mask.sum())
+    want = {"rollout_corr/is_weight_mean": float(w_t[mask].sum()) / max(n_tok, 1)}
+    out_rows = [any(r) for r in outside]
+    if level == "token":
+        want["rollout_corr/is_clipfrac"] = sum(map(sum, outside)) / max(n_tok, 1)
+    else:
+        rows = [bool(mask[i].any()) for i in range(len(outside))]
+        want["rollout_corr/is_clipfrac"] = (sum(o for o, r in zip(out_rows, rows) if r)
+                                            / max(sum(rows), 1))
+    want.update(_mismatch(old, rollout, mask))
+    if "advantages" in run.tokens and cfg.actor.loss_mode != "cispo":
+        want["actor/pg_loss"] = naive_agg(-run.tokens["advantages"].double() * w_t, mask,
+                                          cfg.actor.loss_agg_mode, cfg.actor.loss_scale_factor)
+    if kl.use_rollout_kl_loss:
+        mat = naive_kl(old, rollout, kl.rollout_kl_loss_type, k3_clamp=cfg.algorithm.k3_clamp)
+        if mat is not None:
+            want["actor/rollout_kl"] = naive_agg(mat, mask, cfg.actor.loss_agg_mode,
+                                                 cfg.actor.loss_scale_factor)
+    return w, want
+
+
+def _compare_level(scn, name: str, run, want: dict[str, float], w: list[list[float]],
+                   mask: torch.Tensor) -> tuple[int, list[str]]:
+    """(values compared, problems): the run's step-0 metrics against ``want`` and its per-token
+    ``rollout_is_weights`` [B, R] against ``w`` where ``mask`` [B, R] is True."""
+    compared, problems = 0, []
+    got = run.steps[0]
+    for metric, value in want.items():
+        if metric not in got:
+            continue
+        compared += 1
+        if not scn.tol(metric).close(got[metric], value):
+            problems.append(f"{name}: {metric} = {got[metric]:.10g}, recomputed {value:.10g}")
+    tw = run.tokens.get("rollout_is_weights")
+    if tw is not None:
+        compared += 1
+        w_t = torch.tensor(w, dtype=torch.float64)
+        tol = scn.tol("rollout_is_weights")
+        bad = mask & ((tw.double() - w_t).abs() > tol.atol + tol.rtol * w_t.abs())
+        if bool(bad.any()):
+            i, t = [int(x) for x in bad.nonzero()[0]]
+            problems.append(f"{name}: rollout_is_weights[{i}, {t}] = {float(tw[i, t]):.6g}, "
+                            f"recomputed {w[i][t]:.6g} ({int(bad.sum())} tokens differ)")
+    return compared, problems
 
 
 def _mismatch(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

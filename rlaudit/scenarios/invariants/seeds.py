@@ -5,11 +5,13 @@ from __future__ import annotations
 from rlaudit.algo.kl import kl_penalty
 from rlaudit.algo.reward import place_scores
 from rlaudit.data.batch import Kind
-from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, compare_tensors,
-                                               invariant, not_applicable, result)
-from rlaudit.scenarios.invariants.compare import compare_runs
+from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
+                                               not_applicable, result)
 from rlaudit.scenarios.invariants.logged import logged_agg, microbatch_rows
+from rlaudit.scenarios.invariants.loss_layouts import check_nested_losses
 from rlaudit.update.step import sequence_scores
+from rlaudit.verdict.compare import compare_runs
+from rlaudit.verdict.tensors import compare_tensors
 
 
 def one_minibatch(scn, batch, **extra) -> dict:
@@ -210,7 +212,6 @@ def nested_matches_padded(ctx: CheckContext):
     losses, the KL estimators) gives the same per-token values and gradients on the jagged batch
     as on the padded batch with a mask — checked on this scenario's rows (ragged lengths,
     length-0 and length-1 responses included) against the reference implementation."""
-    from rlaudit.scenarios.invariants.stage_checks import check_nested_losses
     return [check_nested_losses(ctx, "reference")]
 
 

@@ -4,172 +4,18 @@
     rlaudit run --target verl==0.7.1     # <peers dir>/verl-0.7.1 (made by `make peers`)
     rlaudit run --target slime==a0d6d26a2  # a slime source snapshot (not on the package index)
 
-A peer's package is found either as installed in the user's environment (``pip install verl``) or
-in ``<peers dir>/<name>-<version>/``, a ``pip install --target`` directory made by ``make peers``
-(``<peers dir>`` is ``$RLAUDIT_PEERS_DIR``, default ``<repository>/.peers``). Adapters never
-re-implement the peer's code: they convert rlaudit's tensors to the peer's format, call its
-functions, and convert back. docs/peers.md says what each covers per version.
+- ``registry.py``: the short names, where a peer's install or source snapshot is found, and
+  putting it on ``sys.path``.
+- ``verl.py``, ``skyrl.py``, ``slime.py``, ``trl.py``: the adapters (each imports its peer only
+  when used).
+- ``install.py``: ``make peers`` (``python -m rlaudit.targets.peers.install``).
 
-slime is not published on the package index: its versions are source snapshots named by commit,
-found (:func:`source_snapshot`) through ``$RLAUDIT_SLIME_DIR`` (a slime checkout, e.g. your fork,
-or a folder of ``<commit>/`` snapshots), else ``<repository>/../shared/peers/slime/<commit>``,
-else ``<peers dir>/slime-<commit>``.
+docs/peers.md says what each covers per version.
 """
 
-from __future__ import annotations
+from rlaudit.targets.peers.registry import (MODULES, PEERS, SNAPSHOT_PEERS, activate,
+                                            installed_versions, parse, peers_dir, resolve,
+                                            source_snapshot)
 
-import os
-import re
-import sys
-from pathlib import Path
-
-from rlaudit.errors import InputError
-
-#: short name -> "module:Attr" of its adapter
-PEERS: dict[str, str] = {
-    "verl": "rlaudit.targets.peers.verl:VerlAdapter",
-    "skyrl": "rlaudit.targets.peers.skyrl:SkyRLAdapter",
-    "slime": "rlaudit.targets.peers.slime:SlimeAdapter",
-}
-PEERS["trl"] = "rlaudit.targets.peers.trl:TRLAdapter"
-
-_SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9A-Za-z][0-9A-Za-z.+-]*))?$")
-
-
-def peers_dir() -> Path:
-    """Where ``make peers`` installs peers: ``$RLAUDIT_PEERS_DIR`` or ``<repository>/.peers``."""
-    env = os.environ.get("RLAUDIT_PEERS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / ".peers"
-
-
-def installed_versions(name: str) -> list[str]:
-    """Versions of ``name`` under :func:`peers_dir`, oldest first."""
-    root = peers_dir()
-    if not root.is_dir():
-        return []
-    found = [p.name[len(name) + 1:] for p in root.iterdir()
-             if p.is_dir() and p.name.startswith(name + "-")]
-    return sorted(found, key=_version_key)
-
-
-def _version_key(v: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else x for x in re.split(r"[.+-]", v))
-
-
-def parse(spec: str) -> tuple[str, str | None] | None:
-    """``"verl"`` -> ("verl", None); ``"verl==0.7.1"`` -> ("verl", "0.7.1"); None when ``spec``
-    is not a short peer name (e.g. ``module:Attr``)."""
-    m = _SPEC.match(spec)
-    if m is None or m["name"] not in PEERS:
-        return None
-    return m["name"], m["version"]
-
-
-def activate(name: str, version: str | None = None) -> str | None:
-    """Put ``<peers dir>/<name>-<version>`` first on ``sys.path`` (``version`` None: keep an
-    installed copy if importable, else the newest directory). Returns the version activated from
-    the peers directory, or None when the environment's own install is used. Peers published
-    only as source snapshots (slime) are found by :func:`source_snapshot`."""
-    if name in SNAPSHOT_PEERS:
-        path, version = source_snapshot(name, version)
-        if path is None:
-            return None
-        sys.path.insert(0, str(path))
-        return version
-    if version is None:
-        import importlib.util
-        if importlib.util.find_spec(_module_of(name)) is not None:
-            return None
-        versions = installed_versions(name)
-        if not versions:
-            raise InputError(f"peer {name!r} is neither installed nor under {peers_dir()} "
-                             f"(run `make peers`, see docs/peers.md)", key="--target")
-        version = versions[-1]
-    path = peers_dir() / f"{name}-{version}"
-    if not path.is_dir():
-        have = ", ".join(installed_versions(name)) or "none"
-        raise InputError(f"{name}=={version} is not installed under {peers_dir()} (installed: "
-                         f"{have}; run `make peers`, see docs/peers.md)", key="--target")
-    sys.path.insert(0, str(path))
-    _refresh_probes()
-    return version
-
-
-def _refresh_probes() -> None:
-    """After a peers directory joined ``sys.path``: forget the import system's negative caches
-    and, when transformers is already imported, its cached ``is_<package>_available()``
-    answers (``lru_cache``d at first use: a process that imported transformers before TRL's
-    accelerate was on the path would refuse to build a Trainer)."""
-    import importlib
-    importlib.invalidate_caches()
-    probes = sys.modules.get("transformers.utils.import_utils")
-    if probes is None:
-        return
-    for attr in dir(probes):
-        fn = getattr(probes, attr)
-        if attr.startswith("is_") and attr.endswith("_available") and hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-
-
-#: the top-level module each peer installs (for "is it importable already?")
-MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl"}
-
-#: peers not on the package index, audited from source snapshots: name -> (environment variable
-#: naming a checkout or a folder of ``<commit>/`` snapshots, the commit used when none is asked)
-SNAPSHOT_PEERS: dict[str, tuple[str, str]] = {
-    # 624b824a8: after slime PR #2114 (the stored KL is no longer shaped in place)
-    "slime": ("RLAUDIT_SLIME_DIR", "624b824a8"),
-}
-
-
-def _is_checkout(path: Path, module: str) -> bool:
-    return (path / module / "__init__.py").is_file()
-
-
-def source_snapshot(name: str, version: str | None = None) -> tuple[Path | None, str | None]:
-    """Where the source of snapshot peer ``name`` (at commit ``version``) is: ``(folder to put
-    on sys.path, version)``; ``(None, None)`` when ``version`` is None and the package is already
-    importable (installed from git by the user).
-
-    Looked up in order: ``$<ENV>`` (a checkout holding the package, used when no version is
-    asked; or a folder of ``<commit>/`` snapshots), ``<repository>/../shared/peers/<name>/
-    <commit>``, ``<peers dir>/<name>-<commit>``. Without a version the pinned default commit is
-    used. Raises InputError naming every place looked at when none holds it."""
-    import importlib.util
-    env_var, default = SNAPSHOT_PEERS[name]
-    module = _module_of(name)
-    env = os.environ.get(env_var)
-    if env and version is None and _is_checkout(Path(env), module):
-        return Path(env), Path(env).name
-    if env and version is not None and _is_checkout(Path(env), module) and \
-            not (Path(env) / version).is_dir():
-        raise InputError(f"${env_var}={env} is one {name} checkout; ask for --target {name} "
-                         f"(without ==version) to audit it, or unset ${env_var}",
-                         key="--target")
-    if version is None and importlib.util.find_spec(module) is not None:
-        return None, None
-    version = version or default
-    roots = ([Path(env) / version] if env else []) + [
-        Path(__file__).resolve().parents[3].parent / "shared" / "peers" / name / version,
-        peers_dir() / f"{name}-{version}"]
-    for path in roots:
-        if _is_checkout(path, module):
-            return path, version
-    raise InputError(f"{name}=={version} not found (looked in: {', '.join(map(str, roots))}); "
-                     f"set ${env_var} to a {name} checkout or a folder of <commit>/ snapshots "
-                     f"(docs/peers.md)", key="--target")
-
-
-def _module_of(name: str) -> str:
-    return MODULES.get(name, name)
-
-
-def resolve(spec: str) -> str | None:
-    """``"verl==0.7.1"`` -> the adapter's ``module:Attr`` after activating that version; None when
-    ``spec`` is not a short peer name."""
-    parsed = parse(spec)
-    if parsed is None:
-        return None
-    name, version = parsed
-    activate(name, version)
-    return PEERS[name]
+__all__ = ["MODULES", "PEERS", "SNAPSHOT_PEERS", "activate", "installed_versions", "parse",
+           "peers_dir", "resolve", "source_snapshot"]

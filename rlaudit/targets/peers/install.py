@@ -28,13 +28,13 @@ Atomic: pip installs into a temporary directory beside the target, which is rena
 only when everything succeeded; an interrupted run leaves the previous install untouched.
 A lock file serialises concurrent runs on one peers directory.
 
-Peers not on the package index (slime) are pinned as commits in ``requirements/peers/<name>.git``
-(``url:``, ``package:``, one ``commit:`` line per snapshot). A commit already found where the
-adapter looks (:func:`rlaudit.targets.peers.source_snapshot`) is left alone; otherwise that one
-commit is fetched (``git fetch --depth 1``) and its package extracted, atomically, into
-``<peers dir>/<name>-<first 9 characters>``. When the fetch fails (no network), a run over every
-peer says so and goes on (those peers' tests skip naming where they looked); a run that named
-the peer fails.
+Peers not on the package index (slime, ``snapshots.py``) are pinned as commits in
+``requirements/peers/<name>.git`` (``url:``, ``package:``, one ``commit:`` line per snapshot). A
+commit already found where the adapter looks (:func:`rlaudit.targets.peers.source_snapshot`) is left
+alone; otherwise that one commit is fetched (``git fetch --depth 1``) and its package extracted,
+atomically, into ``<peers dir>/<name>-<first 9 characters>``. When the fetch fails (no network), a
+run over every peer says so and goes on (those peers' tests skip naming where they looked); a run
+that named the peer fails.
 
 Exit codes: 0 done, 1 pip or git failed or the installed directory would shadow the environment,
 2 bad input (unknown name, a requirement that is not pinned with ``==``).
@@ -54,16 +54,15 @@ import subprocess
 import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlaudit.errors import InputError
-from rlaudit.targets.peers import peers_dir
+from rlaudit.targets.peers.registry import peers_dir
+from rlaudit.targets.peers.snapshots import (REQUIREMENTS, STAMP, fetch, found_elsewhere,
+                                             pinned_snapshots)
 
-#: where the pinned requirement files live, relative to the repository root
-REQUIREMENTS = Path(__file__).resolve().parents[3] / "requirements" / "peers"
-#: file in an installed peer directory holding the hash it was built from
-STAMP = ".rlaudit-installed"
 _FILE_NAME = re.compile(r"^(?P<name>[a-z][a-z0-9_]*)-(?P<version>[0-9][0-9A-Za-z.+]*)\.txt$")
 _DROP = re.compile(r"^#!\s*drop:\s*(?P<names>.*)$")
 _PIP = re.compile(r"^#!\s*pip:\s*(?P<options>.*)$")
@@ -300,147 +299,6 @@ def install(peer: Peer, *, quiet: bool = True) -> str:
             f"{_size(peer.target) / 2**20:.0f} MiB ({peer.target})")
 
 
-#: how long one git call of a snapshot fetch may take before it counts as failed (a firewall
-#: that drops packets would otherwise hold `make test` for git's own connect timeouts); after a
-#: failed fetch, the other commits of that URL are not tried in the same run
-FETCH_TIMEOUT_S = 90
-_GIT_KEY = re.compile(r"^(?P<key>url|package|commit):\s*(?P<value>\S+)\s*$")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One pinned commit of a peer published only as source (``requirements/peers/<name>.git``)."""
-
-    name: str
-    url: str
-    package: str
-    commit: str
-    source: Path
-
-    @property
-    def short(self) -> str:
-        return self.commit[:9]
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}-{self.short}"
-
-    @property
-    def target(self) -> Path:
-        return peers_dir() / self.key
-
-    def up_to_date(self) -> bool:
-        stamp = self.target / STAMP
-        return stamp.is_file() and stamp.read_text().strip() == self.commit
-
-
-def pinned_snapshots(requirements: Path | None = None) -> list[Snapshot]:
-    """Every commit pinned by a ``<name>.git`` file under ``requirements``, validated."""
-    requirements = REQUIREMENTS if requirements is None else requirements
-    out = []
-    for path in sorted(requirements.glob("*.git")):
-        name = path.stem
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-            raise InputError(f"expected <name>.git (e.g. slime.git), got {path.name!r}",
-                             source=str(path))
-        values: dict[str, list[str]] = {"url": [], "package": [], "commit": []}
-        for n, raw in enumerate(path.read_text().splitlines(), start=1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            m = _GIT_KEY.match(line)
-            if m is None:
-                raise InputError(f"line {n}: expected 'url: URL', 'package: NAME' or "
-                                 f"'commit: SHA', got {line!r}", source=str(path))
-            values[m["key"]].append(m["value"])
-        for key in ("url", "package"):
-            if len(values[key]) != 1:
-                raise InputError(f"expected exactly one '{key}:' line, got {len(values[key])}",
-                                 source=str(path), key=key)
-        bad = [c for c in values["commit"] if not re.fullmatch(r"[0-9a-f]{40}", c)]
-        if bad or not values["commit"]:
-            raise InputError(f"expected one or more 'commit:' lines holding a full 40-character "
-                             f"sha (a short one could become ambiguous), got {bad or 'none'}",
-                             source=str(path), key="commit")
-        out += [Snapshot(name, values["url"][0], values["package"][0], c, path)
-                for c in values["commit"]]
-    return out
-
-
-def _found_elsewhere(snap: Snapshot) -> Path | None:
-    """Where the adapter already finds ``snap`` outside the peers directory, if anywhere."""
-    from rlaudit.targets.peers import SNAPSHOT_PEERS, source_snapshot
-    if snap.name not in SNAPSHOT_PEERS:
-        return None
-    try:
-        path, _ = source_snapshot(snap.name, snap.short)
-    except InputError:
-        return None
-    return path if path is not None and path.resolve() != snap.target.resolve() else None
-
-
-def _git(args: list[str], cwd: Path) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=FETCH_TIMEOUT_S,
-                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
-    if proc.returncode != 0:
-        verb = next(a for a in args if not a.startswith("-") and "=" not in a)
-        raise RuntimeError(f"git {verb} failed (exit {proc.returncode}): "
-                           f"{(proc.stderr or proc.stdout).strip()[-1000:]}")
-    return proc.stdout
-
-
-def fetch(snap: Snapshot) -> str:
-    """Extract ``snap``'s package at its commit into its peers directory unless it is there or
-    the adapter finds it elsewhere; returns a one-line summary. Raises RuntimeError."""
-    if snap.up_to_date():
-        return f"{snap.key}: up to date ({snap.target})"
-    elsewhere = _found_elsewhere(snap)
-    if elsewhere is not None:
-        return f"{snap.key}: found in {elsewhere}"
-    t0 = time.perf_counter()
-    root = peers_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{snap.key}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    repo = tmp / ".git-fetch"
-    try:
-        repo.mkdir(parents=True)
-        _git(["init", "-q"], repo)
-        try:
-            _git(["-c", "http.lowSpeedLimit=1000", "-c", "http.lowSpeedTime=30", "fetch", "-q",
-                  "--depth", "1", snap.url, snap.commit], repo)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"git fetch of {snap.url} took over {FETCH_TIMEOUT_S} s") from None
-        got = _git(["rev-parse", "FETCH_HEAD"], repo).strip()
-        if got != snap.commit:
-            raise RuntimeError(f"{snap.url} answered {got} for {snap.commit}")
-        archive = subprocess.run(["git", "archive", "--format=tar", snap.commit, snap.package],
-                                 cwd=repo, capture_output=True, timeout=FETCH_TIMEOUT_S)
-        if archive.returncode != 0:
-            raise RuntimeError(f"{snap.commit} has no {snap.package}/ ({snap.source}): "
-                               f"{archive.stderr.decode(errors='replace').strip()[-500:]}")
-        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True,
-                       timeout=FETCH_TIMEOUT_S)
-        shutil.rmtree(repo)
-        if not (tmp / snap.package / "__init__.py").is_file():
-            raise RuntimeError(f"{snap.commit}: {snap.package}/__init__.py missing")
-        (tmp / STAMP).write_text(snap.commit + "\n")
-        old = root / f".old-{snap.key}-{os.getpid()}"
-        if snap.target.exists():
-            snap.target.rename(old)
-        tmp.rename(snap.target)
-        shutil.rmtree(old, ignore_errors=True)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"{snap.key}: {e}") from None
-    except RuntimeError as e:
-        raise RuntimeError(f"{snap.key}: {e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return (f"{snap.key}: fetched {snap.commit} from {snap.url} in "
-            f"{time.perf_counter() - t0:.1f} s ({snap.target})")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlaudit.targets.peers.install",
                                      description=__doc__.split("\n\n")[0])
@@ -450,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="show pip's output")
     args = parser.parse_args(argv)
     try:
-        peers, snapshots = select(pinned_peers(), args.names, pinned_snapshots())
+        peers, snapshots = select(pinned_peers(), args.names, pinned_snapshots(REQUIREMENTS))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -459,13 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             state = "installed" if p.up_to_date() else "not installed (or stale)"
             print(f"{p.key}: {state} ({p.target})")
         for snap in snapshots:
-            where = snap.target if snap.up_to_date() else _found_elsewhere(snap)
+            where = snap.target if snap.up_to_date() else found_elsewhere(snap)
             print(f"{snap.key}: {'found in ' + str(where) if where else 'not fetched'}")
         return 0
     with _locked(peers_dir()):
         # each peer is its own pip process into its own directory: they run side by side
         # (pip is mostly CPU: one per core), reported in the files' order
-        from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(max(1, min(len(peers), os.cpu_count() or 1))) as pool:
             jobs = [pool.submit(install, peer, quiet=not args.verbose) for peer in peers]
             failed = False
@@ -481,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         for snap in snapshots:
             try:
                 if snap.url in unreachable and not snap.up_to_date() and \
-                        _found_elsewhere(snap) is None:
+                        found_elsewhere(snap) is None:
                     raise RuntimeError(f"{snap.key}: not tried, {snap.url} failed above")
                 print(fetch(snap), flush=True)
             except RuntimeError as e:

@@ -43,7 +43,8 @@ import torch
 
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
-from rlaudit.targets import Difference, TargetAdapter
+from rlaudit.targets.contract.adapter import TargetAdapter
+from rlaudit.targets.contract.declare import Difference
 
 #: the pinned release this adapter was written against (docs/peers.md)
 PINNED = "0.4.0"
@@ -78,10 +79,10 @@ def _skip_package_init(name: str) -> None:
 def _import_skyrl() -> SimpleNamespace:
     """SkyRL's modules this adapter calls (InputError when SkyRL is not importable)."""
     try:
-        import skyrl
+        import skyrl  # lazy: SkyRL is optional, imported when audited
         if sys.version_info < (3, 12):
             _skip_package_init("skyrl.backends")
-            import skyrl.train
+            import skyrl.train  # lazy: SkyRL is optional, imported when audited
             _skip_package_init("skyrl.train.dataset")
         mods = {k: importlib.import_module(f"skyrl.{v}") for k, v in {
             "ppo": "backends.skyrl_train.utils.ppo_utils",
@@ -93,7 +94,7 @@ def _import_skyrl() -> SimpleNamespace:
         raise InputError(f"SkyRL is not importable ({e}); install it with `make peers` "
                          f"(requirements/peers/skyrl-{PINNED}.txt, docs/peers.md)",
                          key="--target") from None
-    from loguru import logger
+    from loguru import logger  # lazy: SkyRL is optional, imported when audited
     logger.disable("skyrl")     # its per-call warnings (e.g. "GSPO recommends sequence_mean")
     return SimpleNamespace(version=getattr(skyrl, "__version__", "?"), **mods)
 

@@ -38,7 +38,9 @@ from types import SimpleNamespace
 import torch
 
 from rlaudit.errors import InputError
-from rlaudit.targets import Difference, TargetAdapter
+from rlaudit.targets.contract.adapter import TargetAdapter
+from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.stages.loss import CLIP_SETTINGS, POLICY_METRICS
 
 _SRC = "https://github.com/THUDM/slime/blob/624b824a898ab0ec1fcb4d373004c7f3852bf515"
 _LOSS = f"{_SRC}/slime/backends/megatron_utils/loss.py"
@@ -56,6 +58,7 @@ AGG_MODES = {"token-mean": True, "seq-mean-token-mean": False}
 def _import_slime() -> SimpleNamespace:
     """slime's loss and ppo_utils modules, with a one-rank Megatron parallel state."""
     try:
+        # lazy: slime and Megatron are optional, imported when audited
         import slime  # noqa: F401
     except ImportError as e:
         raise InputError(f"slime is not importable ({e}); see docs/peers.md",
@@ -64,7 +67,9 @@ def _import_slime() -> SimpleNamespace:
         warnings.simplefilter("ignore")     # "Transformer Engine and Apex are not installed"
         logging.getLogger().setLevel(logging.ERROR)
         try:
+            # lazy: slime and Megatron are optional, imported when audited
             from slime.backends.megatron_utils import loss
+            # lazy: slime and Megatron are optional, imported when audited
             from slime.utils import ppo_utils
         finally:
             logging.getLogger().setLevel(logging.WARNING)
@@ -75,7 +80,8 @@ def _import_slime() -> SimpleNamespace:
 def _one_rank_megatron() -> None:
     """Megatron's parallel state for a single rank (slime's loss code asks it for the pipeline
     stage, the context-parallel rank and the data-parallel size)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: slime and Megatron are optional, imported when audited
+    # lazy: slime and Megatron are optional, imported when audited
     from megatron.core import parallel_state
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -90,9 +96,8 @@ def _eager():
 
 
 def _token_normaliser_cases() -> tuple[str, ...]:
-    """Problem labels (rlaudit.targets.loss_checks) of the per-token reduction (token-mean) on
+    """Problem labels (rlaudit.targets.stages.loss) of the per-token reduction (token-mean) on
     the ``ragged`` case, the only one with rows without a valid token."""
-    from rlaudit.targets.loss_checks import CLIP_SETTINGS, POLICY_METRICS
     whats = ("loss", "gradient") + POLICY_METRICS
     labels = [f"{mode}/token-mean clip={clip}" for mode in LOSS_MODES for clip in CLIP_SETTINGS]
     return tuple(f"{lab} {what} on ragged" for lab in labels for what in whats) + tuple(

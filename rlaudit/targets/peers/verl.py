@@ -47,12 +47,9 @@ import torch
 from rlaudit.algo.agg import Denominators
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
-from rlaudit.targets.adapter import TargetAdapter
+from rlaudit.targets.contract.adapter import TargetAdapter
+from rlaudit.targets.contract.declare import Difference
 
-try:  # API.md additions (the lead's, on main); harmless before they land
-    from rlaudit.targets import Difference
-except ImportError:  # pragma: no cover - until the API lands
-    Difference = None
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
 DTYPE = torch.float32
@@ -73,8 +70,6 @@ def _line(fn, needle: str = "") -> str:
 def _differences(version: str, core) -> tuple:
     """The documented, deliberate ways verl ``version`` differs from rlaudit's reference
     (docs/peers.md, "verl"), linked to the lines of the installed ``core_algos``."""
-    if Difference is None:
-        return ()
     path = _BLOB.format(v=version.split("+")[0]) + "verl/trainer/ppo/core_algos.py"
     return (
         Difference(
@@ -149,7 +144,7 @@ class VerlAdapter(TargetAdapter):
     # ---- stages ------------------------------------------------------------------------------
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,
                            values=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
-        from verl.trainer.config import AlgoConfig
+        from verl.trainer.config import AlgoConfig  # lazy: verl is optional, imported when audited
         name = self.estimator_impl.get(estimator, estimator)
         norm = False if estimator == "drgrpo" else bool(norm_adv_by_std_in_grpo)
         if name not in self.core.ADV_ESTIMATOR_REGISTRY:
@@ -217,6 +212,7 @@ class VerlAdapter(TargetAdapter):
                                   loss_agg_mode=mode, **self._global_info(denominators))
 
     def _actor_config(self, loss_mode, loss_agg_mode, low, high, c, denominators):
+        # lazy: verl is optional, imported when audited
         from verl.workers.config import FSDPActorConfig
         config = FSDPActorConfig(
             strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
@@ -269,6 +265,7 @@ class VerlAdapter(TargetAdapter):
         if micro_batch_size is not None:
             micros = shard.split(micro_batch_size)
         else:
+            # lazy: verl is optional, imported when audited
             from verl.utils.seqlen_balancing import prepare_dynamic_batch
             micros, _ = prepare_dynamic_batch(shard, max_token_len=max_token_len)
         return [dict(m.batch.items()) for m in micros]
@@ -276,7 +273,9 @@ class VerlAdapter(TargetAdapter):
     def _engine_micro(self, td, group, micro_batch_size, max_token_len) -> list[dict]:
         """verl >= 0.8 engine ``forward_backward_batch``: ``prepare_micro_batches(data,
         dp_group, same_micro_num_in_dp=True)`` (verl/workers/engine/utils.py)."""
+        # lazy: verl is optional, imported when audited
         from verl.utils import tensordict_utils as tu
+        # lazy: verl is optional, imported when audited
         from verl.workers.engine.utils import prepare_micro_batches
         if micro_batch_size is not None:
             tu.assign_non_tensor(td, use_dynamic_bsz=False,
@@ -311,21 +310,21 @@ class VerlVectorizedAdapter(VerlAdapter):
     def __init__(self):
         super().__init__()
         self.name = f"verl-{self.version}-vectorized"
-        if Difference is not None:
-            rloo = self.core.compute_rloo_vectorized_outcome_advantage
-            self.differences = self.differences + (Difference(
-                "rloo-vectorized-singleton-zero",
-                reason="rloo_vectorized gives a prompt with a single response advantage 0 "
-                       "(`* (c > 1)`), where verl's rloo and rlaudit use baseline 0 (advantage "
-                       "= score)",
-                link=_BLOB.format(v=self.version.split("+")[0])
-                + "verl/trainer/ppo/core_algos.py" + _line(rloo, "(c > 1)"),
-                checks=("compute_advantages:*",),
-                cases=tuple(f"rloo {what} on {case}" for what in ("advantages", "returns")
-                            for case in ("ragged", "one-row"))),)
+        rloo = self.core.compute_rloo_vectorized_outcome_advantage
+        self.differences = self.differences + (Difference(
+            "rloo-vectorized-singleton-zero",
+            reason="rloo_vectorized gives a prompt with a single response advantage 0 "
+                   "(`* (c > 1)`), where verl's rloo and rlaudit use baseline 0 (advantage "
+                   "= score)",
+            link=_BLOB.format(v=self.version.split("+")[0])
+            + "verl/trainer/ppo/core_algos.py" + _line(rloo, "(c > 1)"),
+            checks=("compute_advantages:*",),
+            cases=tuple(f"rloo {what} on {case}" for what in ("advantages", "returns")
+                        for case in ("ragged", "one-row"))),)
 
 
 def _policy_cfg(loss_mode: str):
+    # lazy: verl is optional, imported when audited
     from verl.workers.config.actor import PolicyLossConfig
     return PolicyLossConfig(loss_mode=loss_mode)
 
@@ -387,6 +386,7 @@ class _ThreadGroup:
 
     def run(self, fn):
         """``fn(rank, group)`` on every rank in its own thread; results in rank order."""
+        # lazy: verl is optional, imported when audited
         from verl.utils import seqlen_balancing as sb
         results: list[Any] = [None] * self.world
         errors: list[BaseException | None] = [None] * self.world

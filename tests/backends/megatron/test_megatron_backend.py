@@ -20,7 +20,7 @@ softmax ignores a shift shared by a query's logits), AdamW turns rounding into a
 which way depends on the CPU's float32 kernels. So the float32 runs' parameters are compared as
 `rlaudit run --target` compares a float32 trainer's: per tensor in L2, with the spread of the
 reference replayed with its weights perturbed at float32's unit roundoff as a floor
-(rlaudit.targets.runner); metrics and per-token tensors stay elementwise, with no floor.
+(rlaudit.targets.run.runner); metrics and per-token tensors stay elementwise, with no floor.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from rlaudit.backends.base import ReplayRequest
 from rlaudit.backends.megatron.backend import (UNSUPPORTED_CRITIC, MegatronBackend, check_request,
                                                merge_ranks, parse_layout)
 from rlaudit.errors import InputError
-from rlaudit.scenarios.invariants.compare import compare_runs
-from rlaudit.scenarios.spec import DEFAULT_TOLERANCES, Tolerance
-from rlaudit.targets.declare import NOISE_SCALE
+from rlaudit.verdict.compare import compare_runs
+from rlaudit.verdict.tolerance import DEFAULT_TOLERANCES, Tolerance
+from rlaudit.targets.contract.declare import NOISE_SCALE
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed "
@@ -261,7 +261,7 @@ INVARIANTS = ["backend-parity", "entropy-logged-when-coeff-zero", "padding-micro
 def test_scenario_passes_on_megatron_tp2(tmp_path, batch):
     from rlaudit.data.io import save_rollout
     from rlaudit.scenarios.engine import run_scenario
-    from rlaudit.scenarios.result import PASS
+    from rlaudit.verdict.result import PASS
     from rlaudit.scenarios.spec import load_scenario
 
     rollout = tmp_path / "rollout.safetensors"
@@ -292,7 +292,7 @@ def test_replicas_that_drift_apart_fail_distributed_health(tmp_path, batch, monk
     gathered model and names the rank."""
     from rlaudit.data.io import save_rollout
     from rlaudit.scenarios.engine import run_scenario
-    from rlaudit.scenarios.result import FAIL, PASS
+    from rlaudit.verdict.result import FAIL, PASS
     from rlaudit.scenarios.spec import load_scenario
 
     rollout = tmp_path / "rollout.safetensors"

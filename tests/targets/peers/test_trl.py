@@ -35,7 +35,7 @@ except (InputError, ImportError) as e:  # pragma: no cover - depends on the mach
                 f"{e}", allow_module_level=True)
 
 from rlaudit.targets.peers import trl as trl_peer  # noqa: E402
-from rlaudit.targets.runner import run_target  # noqa: E402
+from rlaudit.targets.run.runner import run_target  # noqa: E402
 
 pytestmark = pytest.mark.slow
 FAMILY = ["trl_gradacc_uneven", "trl_seq_importance"]

@@ -19,7 +19,7 @@ import torch
 def main(version: str) -> dict:
     warnings.filterwarnings("ignore")
     from rlaudit.algo.agg import Denominators
-    from rlaudit.targets.batch_checks import microbatch_input
+    from rlaudit.targets.stages.batch import microbatch_input
     from rlaudit.targets.peers import activate
     activate("verl", version)
     from rlaudit.targets.peers.verl import VerlAdapter

@@ -1,0 +1,194 @@
+"""``rlaudit run --target module:Adapter``: every applicable check against someone else's trainer.
+
+    results = run_target("examples.toy_trainer.adapter:ToyAdapter")
+    results = run_target(MyAdapter(), scenario_names=["seed_entropy_coeff_zero"])
+
+1. Stage checks (once, on generated inputs): the pseudo-scenario ``"stages"``.
+2. When the adapter has ``train_step``: for each named scenario (or ``--all``; with neither, the
+   built-in scenario of :mod:`rlaudit.targets.inputs.builtin`), the scenario's variants are
+   replayed on the adapter and on the reference backend, and each of the scenario's invariants
+   is checked, the adapter as one backend and the reference as the oracle. The scenario's own
+   backend list is ignored: the target is the backend under audit.
+
+An invariant that needs a variant the adapter does not support, or data its ``train_step`` did not
+return, is n/a for the adapter (with the reason) and still runs for the reference. Parity compares
+each variant on its own mask, the per-token tensors the adapter returned and the metric names it
+logs in any variant (plus its declared ``metric_names``): a name it logs in one variant and drops
+in another fails, one it never logs is listed as not compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from pathlib import Path
+
+from rlaudit.backends.base import ReplayRequest
+from rlaudit.backends.registry import get_backend
+from rlaudit.data.io import load_rollout, rollout_sha256
+from rlaudit.dicts import flatten, to_dict
+from rlaudit.errors import CheckFailed, InputError
+from rlaudit.heap import freeze_long_lived
+from rlaudit.model.load import snapshot_id
+from rlaudit.scenarios.invariants import CheckContext
+from rlaudit.scenarios.invariants.base import with_overrides
+from rlaudit.scenarios.invariants.parity import ORACLE
+from rlaudit.scenarios.spec import Scenario, load_scenario, resolve
+from rlaudit.scenarios.variants import build_variants, check_sampling_matches
+from rlaudit.targets.contract.adapter import adapter_name, has_stage
+from rlaudit.targets.contract.declare import Declarations, validate
+from rlaudit.targets.contract.load import load_adapter
+from rlaudit.targets.inputs import builtin
+from rlaudit.targets.inputs.dynamic_sampling import unfiltered_inputs
+from rlaudit.targets.run.found import is_stage_case, replay
+from rlaudit.targets.run.localise import localise_target
+from rlaudit.targets.run.noise import attach_noise_floor, with_noise_floor
+from rlaudit.targets.run.parity import apply_differences, check_invariant
+from rlaudit.targets.run.target_backend import TargetBackend
+from rlaudit.targets.stages.suite import run_stage_checks
+from rlaudit.update.step import select_groups
+from rlaudit.verdict.result import ERROR, NA, CheckResult, ScenarioResult
+
+
+def run_target(target: str | object, scenario_names: list[str] | None = None,
+               all_: bool = False, scenarios_dir: str | Path = "scenarios", *,
+               stages: list[str] | None = None,
+               invariants: list[str] | None = None) -> list[ScenarioResult]:
+    """Stage checks, then run-level invariants per scenario (see the module docstring).
+
+    ``target``: ``"module:Attr"`` or an adapter object. ``stages`` / ``invariants`` restrict what
+    runs (tests and quick iterations); ``invariants`` applies to every scenario.
+    """
+    adapter = load_adapter(target) if isinstance(target, str) else target
+    name = adapter_name(adapter)
+    if name == ORACLE:
+        raise InputError(f"the name {ORACLE!r} is reserved for rlaudit's reference backend; "
+                         f"give the adapter another name", source=type(adapter).__name__,
+                         key="name")
+    model = builtin.tiny_model_path(scenarios_dir)
+    results = [run_stage_checks(adapter, stages=stages, model_path=str(model))]
+    # stage cases found by `rlaudit fuzz` (scenarios/found/*.yaml, kind: stage-case) replay
+    # their stage's checks on their input; scenario files run as scenarios
+    found = [n for n in scenario_names or [] if is_stage_case(n)]
+    scenario_names = [n for n in scenario_names or [] if n not in found]
+    results += [replay(adapter, p) for p in found]
+    if found and not (scenario_names or all_):
+        return results
+    plans = []
+    if all_ or not scenario_names:
+        # the built-in scenario (every invariant) first: --all is the default run and every
+        # shipped scenario; leaving it out of --all silently drops the only scenario that runs
+        # padding-microbatches-complete on a target's own padding path (a coverage gap)
+        ref = builtin.tiny_model_path(scenarios_dir, "llama")
+        plans.append((builtin.scenario(model, invariants, ref_model_path=ref),
+                      lambda: (builtin.rollout(model), None)))
+    if scenario_names or all_:
+        scenarios = [load_scenario(p) for p in resolve(scenario_names or [], all_=all_,
+                                                       root=scenarios_dir)]
+        # the same rows the scenario engine replays (DAPO group filter applied when enabled),
+        # and the unfiltered ones for targets that filter in their own train_step
+        plans += [(s, lambda s=s: _filtered(load_rollout(s.rollout), s)) for s in scenarios]
+    for scn, rollout in plans:
+        if not has_stage(adapter, "train_step"):
+            results.append(ScenarioResult(
+                scenario=scn.name, path=str(scn.path), backends=[name],
+                checks=[CheckResult("*", name, NA, f"{name} does not provide train_step: no "
+                                    f"run-level invariant applies")]))
+            continue
+        batch, raw = rollout()
+        results.append(run_target_scenario(adapter, scn, batch, invariants=invariants,
+                                           unfiltered=raw))
+    return results
+
+
+def _filtered(raw, scn: Scenario):
+    return select_groups(raw, scn.config)[0], raw
+
+
+def run_target_scenario(adapter: object, scn: Scenario, batch, *,
+                        invariants: list[str] | None = None,
+                        unfiltered=None) -> ScenarioResult:
+    """One scenario: replay its variants on the adapter and the reference backend, then check
+    its invariants (or ``invariants``). ``batch``: the rows replayed (after DAPO's group filter
+    when the scenario enables it); ``unfiltered``: the rollout before the filter, handed (with
+    each variant's rows) to an adapter declaring ``filters_groups``."""
+    t0 = time.perf_counter()
+    target = TargetBackend(adapter)
+    name = target.name
+    scn = declared_scenario(scn, validate(adapter))
+    scn = dataclasses.replace(
+        scn, backends={name: dict(getattr(adapter, "layout", {}) or {}), ORACLE: {}},
+        invariants=list(invariants or scn.invariants))
+    check_sampling_matches(scn, batch)
+    variants = build_variants(scn, batch)
+    decl = validate(adapter)
+    if (decl.filters_groups and unfiltered is not None
+            and scn.config.algorithm.filter_groups.enable):
+        target.inputs, skipped = unfiltered_inputs(variants, unfiltered)
+        target.skipped.update(skipped)
+    res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=[name, ORACLE],
+                         config=flatten(to_dict(scn.config)), layouts=dict(scn.backends),
+                         dtype=scn.dtype, device=scn.device, tags=[*scn.tags, "target"],
+                         provenance=_provenance(scn, batch, name))
+    ok, why = target.available()
+    if not ok:      # nothing to compare: do not spend time on the reference either
+        res.checks.append(CheckResult("*", name, NA, f"target unavailable: {why}"))
+        res.seconds = time.perf_counter() - t0
+        return res
+    runs = {}
+    freeze_long_lived()   # trainers collect garbage themselves: keep it off the imports
+    for b, backend in ((name, target), (ORACLE, get_backend(ORACLE))):
+        request = ReplayRequest(model=str(scn.model), variants=variants,
+                                ref_model=str(scn.ref_model) if scn.ref_model else None,
+                                layout=scn.backends[b], dtype=scn.dtype, device=scn.device)
+        try:
+            runs[b] = backend.replay(request)
+            if "base" in runs[b]:
+                res.metrics[b] = runs[b]["base"].steps
+        except InputError:
+            raise
+        except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
+            res.errors[b] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a crashing trainer is a finding, reported with its traceback
+            res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    for b, err in res.errors.items():
+        res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0], {"traceback": err}))
+    ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
+                       variants=variants)
+
+    def checks() -> list[CheckResult]:
+        return [r for inv in scn.invariants for r in apply_differences(
+            check_invariant(inv, ctx, name, adapter, target.skipped), name, decl)]
+
+    found = checks()
+    if decl.noise() and ORACLE in runs:
+        found = with_noise_floor(found, checks, lambda draw: attach_noise_floor(
+            runs, scn, variants, decl.noise(), draw=draw))
+    res.checks.extend(found)
+    res.runs = runs
+    if not res.passed:  # only a failure is localised: nothing extra runs otherwise
+        res.localisation = localise_target(adapter, name, scn, ctx, res)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:
+    """``scn`` as run against a target with declarations ``decl``: tolerances at least the
+    target's train precision's (its explicit run-level overrides win), and the reference set to
+    compute as the target declares (its conventions and metric reduction become config values
+    of every variant, for the reference replay too)."""
+    config = scn.config
+    overrides = decl.config_overrides()
+    if overrides:
+        config = with_overrides(config, **overrides)
+    return dataclasses.replace(scn, config=config, tol_floor=decl.run_floor(),
+                               tol_overrides={**scn.tol_overrides, **decl.run_overrides()})
+
+
+def _provenance(scn: Scenario, batch, target: str) -> dict:
+    return {"target": target, "model_sha": snapshot_id(scn.model),
+            "rollout_sha": rollout_sha256(batch)}
+
+
+__all__ = ["run_target", "run_target_scenario", "check_invariant"]
