@@ -211,7 +211,33 @@ def test_no_private_name_crosses_a_file():
                  if any(p.startswith("_") and not p.startswith("__")
                         for p in i.target.split(".")[1:])
                  and not i.source.startswith(i.target.rsplit(".", 1)[0] + ".")]
+    crossing += private_attributes()
     assert not crossing, "private names imported across files:\n" + "\n".join(crossing)
+
+
+def private_attributes() -> list[str]:
+    """``mod._name`` where ``mod`` is an rlaudit module imported under a name (``import
+    rlaudit.x as mod``, ``from rlaudit.scenarios import localise as mod``): a private name
+    crossing a file by attribute instead of by import."""
+    mods = modules()
+    found = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names
+                                if a.asname and a.name in mods})
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, path, node)
+                aliases.update({a.asname or a.name: f"{base}.{a.name}" for a in node.names
+                                if f"{base}.{a.name}" in mods})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and aliases[node.value.id] != mod
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{mod}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    return found
 
 
 def test_function_level_imports_say_why():
@@ -272,6 +298,7 @@ def test_the_checker_catches_what_it_claims(tmp_path, monkeypatch):
         "from rlaudit.errors import x\n"
         "def f():\n    import json\n    return json\n"
         "def g():\n    # lazy: heavy\n    import torch\n    return torch\n")
+    (pkg / "algo" / "use.py").write_text("from rlaudit.algo import kl as K\nK._hidden()\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     imps = imports()
     assert circles(imps) == [{"rlaudit.errors", "rlaudit.algo.kl"}]
@@ -280,6 +307,7 @@ def test_the_checker_catches_what_it_claims(tmp_path, monkeypatch):
     untagged = [i.target for i in imps if i.in_function and not i.tagged]
     assert untagged == ["json"]
     assert [n for i in internal(imps) for n in i.names if n.startswith("_")] == ["_private"]
+    assert private_attributes() == ["rlaudit.algo.use:2 uses rlaudit.algo.kl._hidden"]
 
 
 #: Words that narrate the project's history instead of explaining the code: which audit found a

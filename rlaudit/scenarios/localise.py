@@ -57,7 +57,7 @@ FORWARD_STAGES = ("old/ref log-probs", "per-micro-batch loss")
 Replay = Callable[[str, ReplayRequest], dict[str, VariantRun]]
 
 
-def _default_replay(backend: str, request: ReplayRequest) -> dict[str, VariantRun]:
+def default_replay(backend: str, request: ReplayRequest) -> dict[str, VariantRun]:
     return get_backend(backend).replay(request)
 
 
@@ -131,7 +131,7 @@ def _role(report: StageReport) -> str:
     return "ref" if names == {"ref_log_probs"} else "actor"
 
 
-def _summary(entry: dict) -> str:
+def entry_summary(entry: dict) -> str:
     if entry.get("step") is None:
         return entry.get("note") or "no divergence found"
     where = f"step {entry['step']}"
@@ -301,7 +301,7 @@ def localise_scenario(scn, ctx, res, *, timeout: float = 900.0,
                       replay: Replay | None = None) -> list[dict]:
     """Localisation entries for every failing backend of ``res`` (see the module docstring).
     ``replay(backend, request)`` runs a probe re-run (default: the backend's ``replay``)."""
-    replay = replay or _default_replay
+    replay = replay or default_replay
     pair, alone = failing_jobs(res)
     entries: list[dict] = []
     probes: dict[str, tuple[dict, Variant, ProbeSpec]] = {}
@@ -321,7 +321,7 @@ def localise_scenario(scn, ctx, res, *, timeout: float = 900.0,
             if spec is not None:
                 probes[backend] = (entry, variant, spec)
         except Exception as e:  # never lose the audit result to the localisation
-            entries.append(_failed(backend, checks, e))
+            entries.append(failed_entry(backend, checks, e))
     golden = {g.backend: g for g in res.golden}
     for backend, checks in alone.items():
         try:
@@ -330,21 +330,21 @@ def localise_scenario(scn, ctx, res, *, timeout: float = 900.0,
             else:
                 entries.append(golden_entry(scn, backend, checks, golden[backend]))
         except Exception as e:
-            entries.append(_failed(backend, checks, e))
+            entries.append(failed_entry(backend, checks, e))
     if probes:
         run_probes(scn, probes, timeout=timeout, replay=replay)
     for e in entries:
-        e["summary"] = _summary(e)
+        e["summary"] = entry_summary(e)
     return entries
 
 
-def _failed(backend: str, checks: list[str], e: Exception) -> dict:
+def failed_entry(backend: str, checks: list[str], e: Exception) -> dict:
     return {"backend": backend, "checks": checks, "step": None, "stage": None,
             "optimizer_step": None, "error": f"{type(e).__name__}: {e}",
             "traceback": traceback.format_exc()}
 
 
-def _request(scn, variants: list[Variant], backend: str, timeout: float) -> ReplayRequest:
+def replay_request(scn, variants: list[Variant], backend: str, timeout: float) -> ReplayRequest:
     return ReplayRequest(model=str(scn.model), variants=variants,
                          ref_model=str(scn.ref_model) if scn.ref_model else None,
                          layout=scn.backends.get(backend, {}), dtype=scn.dtype,
@@ -364,7 +364,7 @@ def run_probes(scn, probes: dict[str, tuple[dict, Variant, ProbeSpec]], *, timeo
             distinct[key] = f"{variant.name}@probe{len(distinct)}"
             ref_variants.append(dataclasses.replace(variant, name=distinct[key], probe=spec))
     try:
-        ref_runs = replay(ORACLE, _request(scn, ref_variants, ORACLE, timeout))
+        ref_runs = replay(ORACLE, replay_request(scn, ref_variants, ORACLE, timeout))
         ref_error = None
     except Exception as e:
         ref_runs, ref_error = {}, f"{type(e).__name__}: {e}"
@@ -376,7 +376,7 @@ def run_probes(scn, probes: dict[str, tuple[dict, Variant, ProbeSpec]], *, timeo
         try:
             if ref_error:
                 raise RuntimeError(f"the reference's probe re-run failed: {ref_error}")
-            runs = replay(backend, _request(scn, [dataclasses.replace(variant, probe=spec)],
+            runs = replay(backend, replay_request(scn, [dataclasses.replace(variant, probe=spec)],
                                             backend, timeout))
             got = runs[variant.name].info.get("probe")
             want = ref_runs[distinct[(variant.name, spec)]].info.get("probe")

@@ -75,7 +75,7 @@ def localise_target(adapter, target: str, scn, ctx, res) -> list[dict]:
             entries.append(L.rollout_entry(ctx, backend, checks) if L.ROLLOUT_CHECK in checks
                            else L.golden_entry(scn, backend, checks, golden[backend]))
         except Exception as e:
-            entries.append(L._failed(backend, checks, e))
+            entries.append(L.failed_entry(backend, checks, e))
     for backend, checks in pair.items():
         try:
             # compared as parity compares a target: the reference narrowed to what it reports
@@ -103,7 +103,7 @@ def localise_target(adapter, target: str, scn, ctx, res) -> list[dict]:
                               "target_step": spec.target_step}
             try:
                 spec = dataclasses.replace(spec, role="actor")
-                runs = L._default_replay(L.ORACLE, L._request(
+                runs = L.default_replay(L.ORACLE, L.replay_request(
                     scn, [dataclasses.replace(variant, probe=spec)], L.ORACLE, 900.0))
                 want = runs[variant.name].info["probe"]
                 if want.get("layers"):
@@ -114,7 +114,7 @@ def localise_target(adapter, target: str, scn, ctx, res) -> list[dict]:
                 entry["probe"]["traceback"] = traceback.format_exc()
             entry["probe"]["seconds"] = round(time.perf_counter() - t0, 2)
         except Exception as e:
-            entries.append(L._failed(backend, checks, e))
+            entries.append(L.failed_entry(backend, checks, e))
     for e in entries:
-        e["summary"] = L._summary(e)
+        e["summary"] = L.entry_summary(e)
     return entries
