@@ -104,19 +104,25 @@ def check_scenario_inputs(scn, problems: Problems, *, golden_dir: str | Path | N
                           cache: dict | None = None) -> None:
     """Every input of one loaded scenario; problems are added to ``problems``."""
     from rlaudit.data.io import load_rollout
+    from rlaudit.data.ranges import check_rollout_values, vocab_size_of
     from rlaudit.scenarios.engine import check_sampling_matches
     from rlaudit.update.step import select_groups
 
     cache = {} if cache is None else cache
     src = str(scn.path)
+    model_cfgs = []
     for key, model in (("model", scn.model), ("ref_model", scn.ref_model)):
         if model is None:
             continue
         cfg = _cached(cache, ("model", str(model)), problems, _check_model, model,
                       wrap=(src, key))
         if cfg is not None:
+            model_cfgs.append(cfg)
             check_layouts(scn, cfg, problems, key=key)
     batch = _cached(cache, ("rollout", str(scn.rollout)), problems, load_rollout, scn.rollout)
+    if batch is not None:  # None with ids outside the vocabulary or a mis-shaped field
+        batch = problems.attempt(check_rollout_values, batch, source=str(scn.rollout),
+                                 vocab_size=vocab_size_of(*model_cfgs))
     if batch is not None and len(batch):
         if not batch.num_tokens():
             problems.add("False everywhere: no token to train on, so every check would pass "
