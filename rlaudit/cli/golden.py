@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+from rlaudit.cli.argcheck import check_run_options
 from rlaudit.cli.common import add_location_args, resolve_scenarios
 from rlaudit.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 
@@ -43,6 +44,7 @@ def bless(args) -> int:
     from rlaudit.scenarios.outcome import exit_code, run_isolated
     from rlaudit.scenarios.result import BLESSED, REFUSED
     from rlaudit.scenarios.validate import validate_invocation
+    check_run_options(args)
     paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
     scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir)
     results = []

@@ -16,6 +16,7 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
+from rlaudit.cli.argcheck import check_dir_option, check_file_option
 from rlaudit.cli.common import DEFAULT_REPORTS, env_default
 from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
 
@@ -102,7 +103,14 @@ def open_store(tracking_uri: str | None, report_dir: Path):
         from mlflow.tracking import MlflowClient
     except ImportError as e:
         raise InputError(f"MLflow is not installed ({e}); pip install 'rlaudit[mlflow]'") from None
-    return MlflowClient(tracking_uri=uri), uri
+    try:
+        return MlflowClient(tracking_uri=uri), uri
+    except Exception as e:  # noqa: BLE001 - a store MLflow cannot open: a corrupt sqlite file, ...
+        flag = "--tracking-uri" if tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") \
+            else "--report-dir"
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"cannot open the MLflow store at {uri} (corrupt or not an MLflow "
+                         f"store?): {type(e).__name__}: {first}", key=flag) from None
 
 
 def run(args) -> int:
@@ -111,6 +119,9 @@ def run(args) -> int:
     from rlaudit.report.render import write_atomic
     sel = selection(args)
     report_dir = Path(args.report_dir)
+    check_dir_option(report_dir, "--report-dir")
+    if args.out:  # an --out that is a directory fails now, not after reading every run
+        check_file_option(args.out, "--out")
     with bounded_http():
         client, uri = open_store(args.tracking_uri, report_dir)
         try:

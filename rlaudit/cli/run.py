@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from rlaudit.cli.argcheck import check_run_options
 from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, env_default, resolve_scenarios
 from rlaudit.errors import EXIT_INTERRUPTED
 
@@ -72,6 +73,7 @@ def run(args) -> int:
     from rlaudit.backends.launch.pool import warm_pools
     from rlaudit.cli.quiet import third_party_to_log
 
+    check_run_options(args)  # a --report-dir that is a file, a NaN --timeout: exit 2 now
     # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
     log = Path(args.report_dir) / "rlaudit.log"
     try:

@@ -45,6 +45,7 @@ from rlaudit.config import Config, flatten, to_dict
 from rlaudit.data.io import rollout_sha256
 from rlaudit.metrics import golden_bound, golden_names
 from rlaudit.model.load import snapshot_id
+from rlaudit.scenarios.golden_check import check_golden_values, parse_golden_text
 from rlaudit.scenarios.result import (BLESSED, GOLDEN_FAIL, GOLDEN_PASS, NO_GOLDEN, REFUSED, STALE,
                                       GoldenResult)
 from rlaudit.scenarios.spec import Scenario, Tolerance
@@ -190,7 +191,7 @@ def read_golden(path: Path) -> dict:
     and the key of the first malformed entry."""
     from rlaudit.errors import InputError
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = parse_golden_text(path.read_text(encoding="utf-8"), source=str(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"golden file is not valid JSON: {e}", source=str(path)) from None
 
@@ -221,6 +222,7 @@ def read_golden(path: Path) -> dict:
                 for k in ("value", "rtol", "atol"):
                     if isinstance(w[k], bool) or not isinstance(w[k], (int, float)):
                         bad(f"{where}.{k}", f"expected a number, got {w[k]!r}")
+    check_golden_values(doc, source=str(path))  # finite, sane tolerances, steps, provenance
     return doc
 
 
