@@ -8,9 +8,11 @@ and the path named), not an OSError from deep inside a run after its replays.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from rlaudit.errors import InputError
+from rlaudit.executors.ray_address import probe_ray_address
 
 
 def _blocking_ancestor(path: Path) -> Path | None:
@@ -60,3 +62,6 @@ def check_run_options(args) -> None:
             check_dir_option(getattr(args, attr), flag)
     check_positive(getattr(args, "timeout", None), "--timeout")
     check_positive(getattr(args, "jobs", None), "--jobs", integer=True)
+    if getattr(args, "executor", None) == "ray":  # before validation: a bad address in seconds
+        flag = "--ray-address" if args.ray_address else "RAY_ADDRESS"
+        probe_ray_address(args.ray_address or os.environ.get("RAY_ADDRESS"), flag=flag)
