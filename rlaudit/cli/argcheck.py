@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sqlite3
 from pathlib import Path
 
 from rlaudit.errors import InputError
@@ -53,6 +54,25 @@ def check_positive(value: float | int | None, flag: str, *, integer: bool = Fals
         raise InputError(f"expected an integer >= 1, got {value}", key=flag)
     if not integer and not (math.isfinite(value) and value > 0):
         raise InputError(f"expected a finite number of seconds > 0, got {value}", key=flag)
+
+
+def check_sqlite_store(db: Path, flag: str) -> None:
+    """An existing sqlite file reads as a database (sqlite3, before MLflow's seconds of imports
+    meet it as a traceback): InputError naming ``flag`` and the file when it is truncated,
+    corrupt or not a database."""
+    if not db.is_file():
+        return
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            verdict = con.execute("PRAGMA quick_check(1)").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        verdict = (str(e),)
+    if verdict and verdict[0] != "ok":
+        raise InputError(f"the MLflow store {db} cannot be read (truncated or corrupt?): "
+                         f"{verdict[0]}", key=flag)
 
 
 def check_run_options(args) -> None:

@@ -16,7 +16,7 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
-from rlaudit.cli.argcheck import check_dir_option, check_file_option
+from rlaudit.cli.argcheck import check_dir_option, check_file_option, check_sqlite_store
 from rlaudit.cli.common import DEFAULT_REPORTS, env_default
 from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
 
@@ -91,10 +91,11 @@ def open_store(tracking_uri: str | None, report_dir: Path):
 
     from rlaudit.report.mlflow_log import EMBEDDED_DB, preflight, resolve_tracking_uri
     uri, _ = resolve_tracking_uri(tracking_uri, report_dir)
-    if not tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI") \
-            and not (report_dir / EMBEDDED_DB).exists():
-        raise InputError(f"no MLflow store at {report_dir / EMBEDDED_DB}: run `rlaudit run` "
-                         f"first, or pass --tracking-uri", key="--report-dir")
+    if not tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI"):
+        if not (report_dir / EMBEDDED_DB).exists():
+            raise InputError(f"no MLflow store at {report_dir / EMBEDDED_DB}: run `rlaudit run` "
+                             f"first, or pass --tracking-uri", key="--report-dir")
+        check_sqlite_store(report_dir / EMBEDDED_DB, "--report-dir")
     try:
         preflight(uri)
     except OSError as e:
