@@ -85,3 +85,27 @@ def check_run_options(args) -> None:
     if getattr(args, "executor", None) == "ray":  # before validation: a bad address in seconds
         flag = "--ray-address" if args.ray_address else "RAY_ADDRESS"
         probe_ray_address(args.ray_address or os.environ.get("RAY_ADDRESS"), flag=flag)
+
+
+def check_train_options(args) -> None:
+    """``rlaudit train``'s output places."""
+    if args.metrics_out:
+        check_file_option(args.metrics_out, "--metrics-out")
+    for flag, attr in (("--checkpoint-dir", "checkpoint_dir"), ("--export", "export")):
+        if getattr(args, attr, None):
+            check_dir_option(getattr(args, attr), flag)
+
+
+def check_record_options(args) -> None:
+    """``rlaudit record``'s output file and sampling numbers (a NaN temperature samples
+    garbage that looks like a model's)."""
+    check_file_option(args.out, "--out")
+    check_dir_option(Path(args.out).parent, "--out")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise InputError(f"expected a finite number > 0, got {args.temperature}",
+                         key="--temperature")
+    if not 0 < args.top_p <= 1:  # NaN fails too
+        raise InputError(f"expected a number in (0, 1], got {args.top_p}", key="--top-p")
+    if args.top_k < -1 or args.top_k == 0:
+        raise InputError(f"expected -1 (off) or an integer >= 1, got {args.top_k}",
+                         key="--top-k")

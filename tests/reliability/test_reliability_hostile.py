@@ -29,6 +29,7 @@ from rlaudit.scenarios.validate import validate_invocation
 
 NAN, INF = float("nan"), float("inf")
 DISTILL = REPO / "scenarios" / "rollouts" / "short-distill.safetensors"
+TRAIN_CONFIG = REPO / "examples" / "train_digits_grpo.yaml"
 
 
 def _raises_named(fn, source, key, fragment=""):
@@ -276,6 +277,18 @@ OPTION_CASES = [
      ("scn.yaml", "config.actor.optim.lr")),
     ("report-truncated-sqlite-store", lambda t: (["report", "--report-dir", _truncated_store(t)],
                                                  {}), "--report-dir"),
+    ("train-metrics-out-is-a-directory",
+     lambda t: (["train", TRAIN_CONFIG, "--metrics-out", t], {}), "--metrics-out"),
+    ("train-export-is-a-file",
+     lambda t: (["train", TRAIN_CONFIG, "--export", _file(t)], {}), "--export"),
+    ("record-out-under-a-file",
+     lambda t: (["record", "--model", MODEL, "--out", _file(t) / "r.safetensors"], {}), "--out"),
+    ("record-temperature-nan",
+     lambda t: (["record", "--model", MODEL, "--out", t / "r.safetensors", "--temperature",
+                 "nan"], {}), "--temperature"),
+    ("record-top-p-zero",
+     lambda t: (["record", "--model", MODEL, "--out", t / "r.safetensors", "--top-p", "0"], {}),
+     "--top-p"),
     ("run-golden-env-is-a-file",
      lambda t: (["run", _scn(t), "--no-mlflow"], {"RLAUDIT_GOLDEN": str(_file(t))}),
      "--golden-dir"),
@@ -314,6 +327,19 @@ def test_command_options_and_environment_exit_2_naming_them(cli, tmp_path, monke
     assert where in lines[0], res.err
     assert res.seconds < 10, res.seconds
     assert not (tmp_path / "golden").exists()
+
+
+def test_a_path_error_anywhere_in_a_command_is_a_message_not_a_traceback(cli, monkeypatch):
+    """The last net under every command: an OSError about a path (one no option check foresaw)
+    ends in one line naming the path, exit 2."""
+    import rlaudit.cli.list_cmd as list_cmd
+
+    def unreadable(args):
+        raise PermissionError(13, "Permission denied", "/srv/scenarios/locked.yaml")
+    monkeypatch.setattr(list_cmd, "run", unreadable)
+    res = cli("list")
+    assert res.rc == 2 and "Traceback" not in res.err
+    assert res.err.strip() == "rlaudit: /srv/scenarios/locked.yaml: Permission denied"
 
 
 # ---- the real process: no traceback, no hang --------------------------------------------------
