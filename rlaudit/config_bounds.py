@@ -107,7 +107,7 @@ BOUNDS: dict[str, dict[str, Bound]] = {
     },
     "RolloutConfig": {
         "n": AT_LEAST_1, "temperature": POSITIVE,
-        "top_p": Bound(low=0, high=1, low_open=True), "top_k": Bound(low=-1, why="-1 = off"),
+        "top_p": Bound(low=0, high=1, low_open=True), "top_k": Bound(low=-1, why="-1 or 0 = off"),
         "response_length": AT_LEAST_1, "prompt_length": AT_LEAST_1,
     },
     "OverlongBufferConfig": {"len": Bound(low=1, why="the penalty divides by it"),
@@ -143,9 +143,20 @@ def numeric_fields(cls, prefix: str = ""):
             yield cls, f.name, f"{prefix}{f.name}", kind
 
 
+def documented(cfg_cls) -> list[tuple[str, str]]:
+    """(dotted key, its range in words with why) of every numeric key under the config dataclass
+    ``cfg_cls``: what the docs and ``rlaudit list`` can show next to each key's docstring."""
+    out = []
+    for cls, name, key, kind in numeric_fields(cfg_cls):
+        row = BOUNDS[cls.__name__][name]
+        out.append((key, describe(row, integer=kind == "int") + (f" ({row.why})" if row.why
+                                                                else "")))
+    return out
+
+
 def check_bounds(cfg, *, source: str | None = None, prefix: str = "") -> None:
-    """Every numeric value of ``cfg`` (an rlaudit.config.Config) against :data:`BOUNDS`: InputError naming ``source`` and
-    the dotted key, with what was expected."""
+    """Every numeric value of ``cfg`` (an rlaudit.config.Config) against :data:`BOUNDS`:
+    InputError naming ``source`` and the dotted key, with what was expected."""
     for cls, name, key, kind in numeric_fields(type(cfg)):
         row = BOUNDS.get(cls.__name__, {}).get(name)
         if row is None:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from rlaudit.config import Config, load_config
-from rlaudit.config_bounds import BOUNDS, check_bounds, describe, numeric_fields
+from rlaudit.config_bounds import BOUNDS, check_bounds, describe, documented, numeric_fields
 
 
 def test_every_numeric_config_field_has_a_row():
@@ -37,3 +37,10 @@ def test_the_defaults_and_the_rows_in_words():
     assert describe(BOUNDS["OptimConfig"]["lr"]) == "a finite number >= 0"
     assert describe(BOUNDS["OptimConfig"]["betas"]) == "a finite number in [0, 1)"
     assert describe(BOUNDS["ActorConfig"]["ppo_epochs"], integer=True) == "an integer >= 1"
+
+
+def test_every_numeric_key_is_documented_in_words():
+    docs = dict(documented(Config))
+    assert docs["actor.optim.eps"] == "a finite number > 0 (Adam divides by sqrt(v) + eps)"
+    assert docs["critic.optim.lr"].startswith("a finite number >= 0")
+    assert len(docs) == len(list(numeric_fields(Config)))

@@ -106,6 +106,6 @@ def check_record_options(args) -> None:
                          key="--temperature")
     if not 0 < args.top_p <= 1:  # NaN fails too
         raise InputError(f"expected a number in (0, 1], got {args.top_p}", key="--top-p")
-    if args.top_k < -1 or args.top_k == 0:
-        raise InputError(f"expected -1 (off) or an integer >= 1, got {args.top_k}",
+    if args.top_k < -1:
+        raise InputError(f"expected -1 or 0 (off) or an integer >= 1, got {args.top_k}",
                          key="--top-k")
