@@ -71,9 +71,11 @@ def calibrate(args) -> int:
 
     from rlaudit.report.calibrate import apply_tolerances, calibrate_scenario
     from rlaudit.scenarios.golden import golden_path, write_json_atomic
-    from rlaudit.scenarios.spec import load_scenario
+    from rlaudit.scenarios.validate import validate_invocation
+    check_run_options(args)
     (path,) = resolve_scenarios([args.scenario], all_=False, scenarios_dir=args.scenarios_dir)
-    scn = load_scenario(path)
+    # every input (rollout values, the golden --write would edit), before the first of the runs
+    (scn,) = validate_invocation([path], backends=args.backends, golden_dir=args.golden_dir)
     from rlaudit.backends.launch.pool import warm_pools
     with warm_pools():  # the runs reuse the ranks, each restored to a fresh rank's state
         proposed = calibrate_scenario(scn, runs=args.runs, backends=args.backends)

@@ -229,6 +229,12 @@ def _scn(tmp: Path, **over) -> Path:
     return write_scenario(tmp / "scn.yaml", **over)
 
 
+def _bad_ids(t: Path) -> Path:
+    tensors = base_tensors()
+    tensors["response_ids"][2, 0] = 264
+    return write_rollout(t / "r.safetensors", tensors)
+
+
 def _truncated_store(t: Path) -> Path:
     """A report dir whose sqlite store lost its tail (``database disk image is malformed``)."""
     full = t / "full.db"
@@ -289,6 +295,18 @@ OPTION_CASES = [
     ("record-top-p-zero",
      lambda t: (["record", "--model", MODEL, "--out", t / "r.safetensors", "--top-p", "0"], {}),
      "--top-p"),
+    ("calibrate-golden-dir-under-a-file",
+     lambda t: (["golden", "calibrate", _scn(t), "--golden-dir", _file(t) / "g"], {}),
+     "--golden-dir"),
+    ("calibrate-rollout-id-past-the-vocabulary",
+     lambda t: (["golden", "calibrate", _scn(t, rollout=str(_bad_ids(t)))], {}),
+     ("r.safetensors", "response_ids")),
+    ("fuzz-report-dir-is-a-file",
+     lambda t: (["fuzz", "--target", "any:Adapter", "--report-dir", _file(t)], {}),
+     "--report-dir"),
+    ("fuzz-found-dir-is-a-file",
+     lambda t: (["fuzz", "--target", "any:Adapter", "--found-dir", _file(t),
+                 "--report-dir", t / "reports"], {}), "--found-dir"),
     ("run-golden-env-is-a-file",
      lambda t: (["run", _scn(t), "--no-mlflow"], {"RLAUDIT_GOLDEN": str(_file(t))}),
      "--golden-dir"),
