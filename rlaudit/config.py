@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from rlaudit import catalogue  # the registries' names, cached: reading a config imports no torch
+from rlaudit.config_bounds import check_bounds
 from rlaudit.dicts import from_dict, to_dict
 from rlaudit.errors import InputError
 
@@ -283,6 +284,7 @@ def validate(cfg: Config, *, source: str | None = None, prefix: str = "") -> Non
     def bad(key, msg):
         raise InputError(msg, source=source, key=f"{prefix}{key}")
 
+    check_bounds(cfg, source=source, prefix=prefix)  # every number: finite and in its range
     a, act = cfg.algorithm, cfg.actor
     for key, v in (("actor.ppo_mini_batch_size", act.ppo_mini_batch_size),
                    ("actor.ppo_micro_batch_size_per_gpu", act.ppo_micro_batch_size_per_gpu),

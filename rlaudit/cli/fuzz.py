@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from rlaudit import switches
+from rlaudit.cli.argcheck import check_dir_option
 from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args
 from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK
 
@@ -56,6 +57,8 @@ def run(args) -> int:
         DEFAULT_BUDGET, fuzz_target)
     torch.set_num_threads(switches.threads())  # one intra-op thread, as `rlaudit run` (tiny models)
     found_dir = args.found_dir or str(Path(args.scenarios_dir) / "found")
+    check_dir_option(args.report_dir, "--report-dir")  # before any example runs
+    check_dir_option(found_dir, "--found-dir")
     budget = DEFAULT_BUDGET if args.budget is None else args.budget
     report = fuzz_target(args.target, stages=args.stages, budget=budget,
                          run_budget=args.run_budget, rng_seed=args.seed, found_dir=found_dir,

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from rlaudit.cli.argcheck import check_run_options
 from rlaudit.cli.common import add_location_args, resolve_scenarios
 from rlaudit.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 
@@ -52,6 +53,7 @@ def bless(args) -> int:
     from rlaudit.scenarios.outcome import exit_code, run_isolated
     from rlaudit.verdict.result import BLESSED, REFUSED  # lazy: as above
     from rlaudit.scenarios.validate import validate_invocation  # lazy: as above
+    check_run_options(args)
     paths = resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
     scenarios = validate_invocation(paths, backends=args.backends, golden_dir=args.golden_dir)
     results = []
@@ -79,9 +81,11 @@ def calibrate(args) -> int:
     # lazy: torch and the engine: kept out of CLI start-up
     from rlaudit.scenarios.golden import golden_path, write_json_atomic
     # lazy: yaml and the scenario schema: kept out of CLI start-up
-    from rlaudit.scenarios.spec import load_scenario
+    from rlaudit.scenarios.validate import validate_invocation
+    check_run_options(args)
     (path,) = resolve_scenarios([args.scenario], all_=False, scenarios_dir=args.scenarios_dir)
-    scn = load_scenario(path)
+    # every input (rollout values, the golden --write would edit), before the first of the runs
+    (scn,) = validate_invocation([path], backends=args.backends, golden_dir=args.golden_dir)
     # lazy: the launcher: only commands that start ranks
     from rlaudit.backends.launch.pool import warm_pools
     with warm_pools():  # the runs reuse the ranks, each restored to a fresh rank's state

@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     except RlauditError as e:
         print(f"rlaudit: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        if e.filename is None or isinstance(e, BrokenPipeError):
+            raise  # not about a path: a socket, the reader of stdout leaving (entry's)
+        # a path that could not be read or written: the user's to fix, no traceback
+        print(f"rlaudit: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("rlaudit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

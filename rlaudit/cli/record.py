@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from rlaudit.cli.argcheck import check_record_options
 from rlaudit.errors import InputError
 
 
@@ -38,6 +39,7 @@ def run(args) -> int:
     for key in ("prompts", "n", "max_new_tokens", "topk"):
         if getattr(args, key) < 1:
             raise InputError("must be >= 1", key=f"--{key.replace('_', '-')}")
+    check_record_options(args)  # before the model loads and samples
     spec = RecordSpec(model=args.model, task=args.task, engine=args.engine, prompts=args.prompts,
                       n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, dtype=args.dtype,

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from rlaudit import switches
+from rlaudit.cli.argcheck import check_dir_option, check_file_option, check_sqlite_store
 from rlaudit.cli.common import DEFAULT_REPORTS
 from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
 
@@ -92,10 +93,11 @@ def open_store(tracking_uri: str | None, report_dir: Path):
     # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.mlflow_log import EMBEDDED_DB, preflight, resolve_tracking_uri
     uri, _ = resolve_tracking_uri(tracking_uri, report_dir)
-    if not tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI") \
-            and not (report_dir / EMBEDDED_DB).exists():
-        raise InputError(f"no MLflow store at {report_dir / EMBEDDED_DB}: run `rlaudit run` "
-                         f"first, or pass --tracking-uri", key="--report-dir")
+    if not tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI"):
+        if not (report_dir / EMBEDDED_DB).exists():
+            raise InputError(f"no MLflow store at {report_dir / EMBEDDED_DB}: run `rlaudit run` "
+                             f"first, or pass --tracking-uri", key="--report-dir")
+        check_sqlite_store(report_dir / EMBEDDED_DB, "--report-dir")
     try:
         preflight(uri)
     except OSError as e:
@@ -105,7 +107,14 @@ def open_store(tracking_uri: str | None, report_dir: Path):
         from mlflow.tracking import MlflowClient
     except ImportError as e:
         raise InputError(f"MLflow is not installed ({e}); pip install 'rlaudit[mlflow]'") from None
-    return MlflowClient(tracking_uri=uri), uri
+    try:
+        return MlflowClient(tracking_uri=uri), uri
+    except Exception as e:  # noqa: BLE001 - a store MLflow cannot open: a corrupt sqlite file, ...
+        flag = "--tracking-uri" if tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") \
+            else "--report-dir"
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"cannot open the MLflow store at {uri} (corrupt or not an MLflow "
+                         f"store?): {type(e).__name__}: {first}", key=flag) from None
 
 
 def run(args) -> int:
@@ -114,6 +123,9 @@ def run(args) -> int:
     from rlaudit.report.render import write_atomic  # lazy: as above
     sel = selection(args)
     report_dir = Path(args.report_dir)
+    check_dir_option(report_dir, "--report-dir")
+    if args.out:  # an --out that is a directory fails now, not after reading every run
+        check_file_option(args.out, "--out")
     with bounded_http():
         client, uri = open_store(args.tracking_uri, report_dir)
         try:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rlaudit import switches
+from rlaudit.cli.argcheck import check_run_options
 from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, resolve_scenarios
 from rlaudit.cli.golden import orphan_warning
 from rlaudit.errors import EXIT_INTERRUPTED
@@ -76,6 +77,7 @@ def run(args) -> int:
     # lazy: the launcher: only commands that start ranks
     from rlaudit.backends.launch.pool import warm_pools
 
+    check_run_options(args)  # a --report-dir that is a file, a NaN --timeout: exit 2 now
     # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
     log = Path(args.report_dir) / "rlaudit.log"
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from rlaudit.cli.argcheck import check_train_options
 from rlaudit.errors import InputError
 
 
@@ -43,6 +44,7 @@ def load_job(path: str):
 def run(args) -> int:
     # lazy: torch and transformers: kept out of CLI start-up
     from rlaudit.trainer.trainer import Trainer
+    check_train_options(args)  # an output path that cannot be written: before any training
     job = load_job(args.config)
     if args.steps is not None:
         if args.steps < 1:

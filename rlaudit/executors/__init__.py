@@ -17,11 +17,24 @@ order, where ``run_one(scenario, replay)`` returns the scenario's result.
             ...
 """
 
-from rlaudit.executors.factory import EXECUTORS, make_executor
-from rlaudit.executors.local import LOCAL_JOBS, LocalExecutor
-from rlaudit.executors.planning import (groups_in_flight, job_count, needed_pools,
-                                        pooled_backends, reference_pooled)
-from rlaudit.executors.progress import Progress
+from __future__ import annotations
 
-__all__ = ["EXECUTORS", "LOCAL_JOBS", "LocalExecutor", "Progress", "groups_in_flight", "job_count",
-           "make_executor", "needed_pools", "pooled_backends", "reference_pooled"]
+import importlib
+
+#: name -> module of this package; resolved on first use, so that a light submodule (the Ray
+#: address check that `rlaudit run`'s option checks use) does not import torch through the face
+_EXPORTS = {
+    "EXECUTORS": "factory", "make_executor": "factory",
+    "LOCAL_JOBS": "local", "LocalExecutor": "local",
+    "groups_in_flight": "planning", "job_count": "planning", "needed_pools": "planning",
+    "pooled_backends": "planning", "reference_pooled": "planning",
+    "Progress": "progress",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

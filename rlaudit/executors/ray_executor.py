@@ -34,7 +34,9 @@ from typing import Callable, Iterator
 
 from rlaudit import switches
 from rlaudit.backends.launch import pool
+from rlaudit.errors import InputError
 from rlaudit.executors.progress import Progress
+from rlaudit.executors.ray_address import probe_ray_address
 from rlaudit.executors.ray_ranks import RayPoolSet
 from rlaudit.quiet import quiet_loggers
 
@@ -50,6 +52,7 @@ class RayExecutor:
                  gpu: bool = False):
         # like ray.init itself, RAY_ADDRESS names the cluster when --ray-address does not
         self.address = address or os.environ.get("RAY_ADDRESS") or None
+        self._flag_address = bool(address)
         self.gpu = gpu
         self.progress = Progress(total, enabled=progress)
         self.pools = None
@@ -65,10 +68,18 @@ class RayExecutor:
         torch.set_num_threads(self._threads)  # and the driver's checks
         quiet_loggers()
         if not ray.is_initialized():
+            # nothing listening there: ray.init would retry for minutes
+            probe_ray_address(self.address, flag="--ray-address" if self._flag_address
+                              else "RAY_ADDRESS")
             kw = {"address": self.address} if self.address else {
                 "num_cpus": (os.cpu_count() or 1) + LOCAL_EXTRA_CPUS}
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     logging_level=logging.WARNING, **kw)
+            try:
+                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         logging_level=logging.WARNING, **kw)
+            except (ConnectionError, TimeoutError) as e:  # something listens, but not Ray's GCS
+                raise InputError(f"cannot join a Ray cluster at {self.address}: {e}",
+                                 key="--ray-address" if self._flag_address else "RAY_ADDRESS") \
+                    from None
             self._started_ray = True
         quiet_loggers()
         self.pools = RayPoolSet()

@@ -48,6 +48,7 @@ from rlaudit.dicts import flatten, to_dict
 from rlaudit.errors import InputError
 from rlaudit.metrics import golden_bound, golden_names
 from rlaudit.model.load import snapshot_id
+from rlaudit.scenarios.golden_check import check_golden_values, parse_golden_text
 from rlaudit.scenarios.spec import Scenario, discover
 from rlaudit.verdict.result import (BLESSED, GOLDEN_FAIL, GOLDEN_PASS, NO_GOLDEN, REFUSED, STALE,
                                     GoldenResult)
@@ -214,7 +215,7 @@ def read_golden(path: Path) -> dict:
     """Load and check a golden file's structure (it is hand-editable): InputError naming the file
     and the key of the first malformed entry."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = parse_golden_text(path.read_text(encoding="utf-8"), source=str(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"golden file is not valid JSON: {e}", source=str(path)) from None
 
@@ -245,6 +246,7 @@ def read_golden(path: Path) -> dict:
                 for k in ("value", "rtol", "atol"):
                     if isinstance(w[k], bool) or not isinstance(w[k], (int, float)):
                         bad(f"{where}.{k}", f"expected a number, got {w[k]!r}")
+    check_golden_values(doc, source=str(path))  # finite, sane tolerances, steps, provenance
     return doc
 
 

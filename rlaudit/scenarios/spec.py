@@ -26,6 +26,7 @@ files are :class:`InputError` naming the file and the dotted key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,9 @@ def _tolerances(value: Any, src: str) -> dict[str, Tolerance]:
                     pass
             _expect(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
                     f"expected a number >= 0, got {v!r}", src, f"{key}.{k}")
+            # inf (or NaN) as a bound makes every comparison with it pass (or none)
+            _expect(math.isfinite(v), f"expected a finite number, got {v!r}: an infinite "
+                    "tolerance makes every comparison pass", src, f"{key}.{k}")
             vals[k] = float(v)
         out[name] = Tolerance(**vals)
     return out

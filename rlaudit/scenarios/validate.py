@@ -28,6 +28,7 @@ import torch
 from rlaudit.backends.megatron.model import check_layout, hf_model_spec
 from rlaudit.backends.registry import backend_names
 from rlaudit.data.io import load_rollout
+from rlaudit.data.ranges import check_rollout_values, vocab_size_of
 from rlaudit.errors import InputError, InputErrors, Problems, raise_problems
 from rlaudit.model.load import TOKENIZER_FILES, snapshot_id, weight_files
 from rlaudit.scenarios.golden import golden_path, read_golden
@@ -73,14 +74,19 @@ def check_scenario_inputs(scn, problems: Problems, *, golden_dir: str | Path | N
     """Every input of one loaded scenario; problems are added to ``problems``."""
     cache = {} if cache is None else cache
     src = str(scn.path)
+    model_cfgs = []
     for key, model in (("model", scn.model), ("ref_model", scn.ref_model)):
         if model is None:
             continue
         cfg = _cached(cache, ("model", str(model)), problems, _check_model, model,
                       wrap=(src, key))
         if cfg is not None:
+            model_cfgs.append(cfg)
             check_layouts(scn, cfg, problems, key=key)
     batch = _cached(cache, ("rollout", str(scn.rollout)), problems, load_rollout, scn.rollout)
+    if batch is not None:  # None with ids outside the vocabulary or a mis-shaped field
+        batch = problems.attempt(check_rollout_values, batch, source=str(scn.rollout),
+                                 vocab_size=vocab_size_of(*model_cfgs))
     if batch is not None and len(batch):
         if not batch.num_tokens():
             problems.add("False everywhere: no token to train on, so every check would pass "

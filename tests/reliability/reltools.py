@@ -10,6 +10,7 @@ import safetensors.torch
 import torch
 import yaml
 
+from rlaudit.data.batch import KNOWN_FIELDS
 from rlaudit.data.io import FORMAT_NAME, FORMAT_VERSION, _hashes, load_rollout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ def write_rollout(path: Path, tensors: dict[str, torch.Tensor], *, meta: dict | 
     kinds = {k: v["kind"] for k, v in src_side["fields"].items()}
     total, per_field = _hashes(tensors)
     doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "tensors_file": path.name,
-           "fields": {k: {"kind": kinds.get(k, "seq"), "dtype": str(t.dtype).removeprefix("torch."),
+           "fields": {k: {"kind": kinds.get(k) or _known_kind(k), "dtype": str(t.dtype).removeprefix("torch."),
                           "shape": list(t.shape), "sha256": per_field[k]}
                       for k, t in sorted(tensors.items())},
            "sha256": total, "meta": src_side["meta"] if meta is None else meta,
@@ -68,6 +69,11 @@ def write_rollout(path: Path, tensors: dict[str, torch.Tensor], *, meta: dict | 
     path.write_bytes(safetensors.torch.save({k: t.contiguous() for k, t in tensors.items()}))
     path.with_suffix(".json").write_text(json.dumps(doc))
     return path
+
+
+def _known_kind(name: str) -> str:
+    spec = KNOWN_FIELDS.get(name)
+    return spec.kind.value if spec is not None else "seq"
 
 
 def run_args(scn: Path, tmp: Path, *extra) -> list:

@@ -235,7 +235,8 @@ def test_golden_without_this_backend_is_missing(blessed, tmp_path):
 def test_blessing_a_subset_keeps_other_backends_entries(blessed, tmp_path):
     scn, _, _, res = blessed
     gdir, doc = golden_copy(blessed, tmp_path)
-    gpu = {"steps": [{"actor/pg_loss": {"value": 9.0, "rtol": 0.1, "atol": 0.0}}]}
+    gpu = {"provenance": {"semantics": 1, "layout": {"dp": 2}},  # an entry needs one
+           "steps": [{"actor/pg_loss": {"value": 9.0, "rtol": 0.1, "atol": 0.0}}]}
     doc["backends"]["fsdp@cuda"] = gpu
     (gdir / f"{scn.name}.json").write_text(json.dumps(doc))
     (g,) = golden_mod.compare_or_bless(scn, res.runs, gdir, bless=True)
