@@ -52,6 +52,7 @@ from typing import Any, Mapping
 import torch
 
 from rlaudit.errors import InputError
+from rlaudit.targets.target_errors import TARGET_FAILURES, target_error
 
 #: Every stage method, in the order checks run, with the check families it unlocks.
 STAGES: dict[str, str] = {
@@ -252,12 +253,19 @@ def load_adapter(spec: str) -> object:
         except ModuleNotFoundError as e:
             raise InputError(f"cannot import module {module_name!r} (also tried from {cwd}): "
                              f"{e}", key="--target") from None
+        except TARGET_FAILURES as e:
+            raise target_error(f"importing {module_name}", spec, e) from None
+    except TARGET_FAILURES as e:  # the module's own code failed: a syntax error, a raise, exit()
+        raise target_error(f"importing {module_name}", spec, e) from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
         raise InputError(f"module {module_name!r} has no attribute {attr!r}",
                          key="--target") from None
-    adapter = obj() if isinstance(obj, type) else obj
+    try:
+        adapter = obj() if isinstance(obj, type) else obj
+    except TARGET_FAILURES as e:
+        raise target_error(f"{attr}()", spec, e) from None
     adapter_name(adapter)  # validates ``name``
     from rlaudit.targets.declare import validate
     validate(adapter)      # precision, tolerances, differences: exit 2 before anything runs
