@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlaudit.errors import InputError, InputErrors, raise_problems
+from rlaudit.scenarios.bounds import duplicate_names
 
 #: config keys that only decide how a mini-batch is cut into micro-batches: two runs that differ
 #: only there, and cut every mini-batch the same way, compare nothing
@@ -93,6 +94,8 @@ def validate_invocation(paths: list[Path], *, backends: list[str] | None = None,
         if device:
             scn.device = device
         scenarios.append(scn)
+    for err in duplicate_names(scenarios):
+        problems.take(err)
     cache: dict = {}
     for scn in scenarios:
         check_scenario_inputs(scn, problems, golden_dir=golden_dir, cache=cache)
