@@ -47,6 +47,7 @@ from typing import Any, Iterator
 from urllib.parse import urlparse
 
 from rlaudit.report import localise_view
+from rlaudit.report.redact import redact
 from rlaudit.scenarios.result import STATUS_ORDER, ScenarioResult
 
 EMBEDDED_DB = "mlflow.db"
@@ -444,11 +445,12 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
         if client is not None and prog.parent:
             with contextlib.suppress(Exception), bounded_http(retries=0):
                 client._client.set_terminated(prog.parent, status="FAILED")  # no retry left
-        return LogOutcome(False, f"MLflow logging to {uri} failed while {prog.stage}: {err}; "
-                                 f"{done} (the audit result above stands)", prog.parent, uri)
+        return LogOutcome(False, redact(f"MLflow logging to {uri} failed while {prog.stage}: "
+                                        f"{err}; {done} (the audit result above stands)", uri),
+                          prog.parent, uri)
     retried = [f"retried {', '.join(budget.spent)}"] if budget.spent else []
     notes = f"; {'; '.join(prog.notes + retried)}" if prog.notes or retried else ""
-    return LogOutcome(not prog.notes, f"logged {len(results)} scenario(s), {prog.children} "
-                                      f"run(s) to MLflow {uri} (experiment {experiment!r}, parent "
-                                      f"run {prog.parent}, {time.perf_counter() - t0:.1f}s){notes}",
+    return LogOutcome(not prog.notes, redact(
+        f"logged {len(results)} scenario(s), {prog.children} run(s) to MLflow {uri} (experiment "
+        f"{experiment!r}, parent run {prog.parent}, {time.perf_counter() - t0:.1f}s){notes}", uri),
                       prog.parent, uri)
