@@ -164,6 +164,7 @@ def _check_model(path: Path) -> dict:
     import safetensors
 
     from rlaudit.model.load import TOKENIZER_FILES, snapshot_id, weight_files
+    from rlaudit.model.snapshot_check import check_weights_hash
     snapshot_id(path)  # config.json parses, weight files exist and read
     for f in weight_files(path):
         try:
@@ -172,6 +173,7 @@ def _check_model(path: Path) -> dict:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise InputError(f"not a complete safetensors file (truncated or corrupt?): {e}",
                              source=str(f)) from None
+    check_weights_hash(path)  # an rlaudit snapshot's weights are the ones it recorded
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise InputError(f"no tokenizer files (expected one of {', '.join(TOKENIZER_FILES[:2])})",
                          source=str(path))

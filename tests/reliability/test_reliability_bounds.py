@@ -145,3 +145,24 @@ def test_two_scenarios_given_one_name_by_their_name_key_are_refused(cli, tmp_pat
     res = cli(*_run(a, tmp_path)[:2], b, *_run(a, tmp_path)[2:])
     assert res.rc == 2, res.err[-2000:]
     assert "two scenarios named 'same'" in res.err and str(b) in res.err
+
+
+def test_weights_that_do_not_match_the_recorded_hash_exit_2(cli, tmp_path):
+    """A snapshot whose weights changed after rlaudit_snapshot.json recorded their sha256 (a
+    complete, loadable file: only the hash tells) is refused before anything runs."""
+    import shutil
+
+    import safetensors.torch
+    from reltools import MODEL
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    weights = model / "model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    safetensors.torch.save_file(tensors, str(weights), metadata={"format": "pt"})
+    scn = write_scenario(tmp_path / "scn.yaml", model=str(model))
+    res = cli(*_run(scn, tmp_path))
+    assert res.rc == 2, res.err[-2000:]
+    assert "does not match the weights_sha256" in res.err and str(weights) in res.err
+    assert "running" not in res.err and not (tmp_path / "reports").exists()
