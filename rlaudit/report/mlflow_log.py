@@ -53,6 +53,8 @@ from rlaudit.scenarios.result import STATUS_ORDER, ScenarioResult
 EMBEDDED_DB = "mlflow.db"
 EMBEDDED_ARTIFACTS = "mlartifacts"
 DEFAULT_EXPERIMENT = "rlaudit"
+#: the state of a scenario a Ctrl-C stopped before it finished
+INTERRUPTED = "interrupted"
 KIND_TAG, INVOCATION, SCENARIO = "rlaudit.kind", "invocation", "scenario"
 #: metric-key prefixes of the golden comparison rows (``golden_drift/actor/pg_loss``)
 GOLDEN_PREFIXES = ("golden", "golden_drift", "golden_rtol", "golden_atol")
@@ -332,13 +334,17 @@ def _log_batch(client, run_id: str, *, metrics=(), params=None, tags=None) -> No
 
 
 def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
-         report_files: list[Path] | None) -> None:
+         report_files: list[Path] | None, interrupted: list[str] = ()) -> None:
     from rlaudit.report.run_report import build_run_report
     prog.stage = "creating the parent run"
+    # an interrupted invocation never passed: its unfinished scenarios are named, not dropped
+    states = [f"{r.scenario}={r.state}" for r in results] + [f"{n}={INTERRUPTED}"
+                                                            for n in interrupted]
     parent_tags = {**extra_tags, KIND_TAG: INVOCATION,
-                   "rlaudit.passed": str(bool(results) and all(r.passed for r in results)).lower(),
-                   "rlaudit.states": ",".join(f"{r.scenario}={r.state}"
-                                              for r in results)[:MAX_TAG_VALUE],
+                   "rlaudit.passed": str(bool(results) and not interrupted
+                                         and all(r.passed for r in results)).lower(),
+                   "rlaudit.interrupted": str(bool(interrupted)).lower(),
+                   "rlaudit.states": ",".join(states)[:MAX_TAG_VALUE],
                    "rlaudit.scenarios": ",".join(r.scenario for r in results)[:MAX_TAG_VALUE]}
     with contextlib.suppress(Exception):
         parent_tags["mlflow.user"] = getpass.getuser()
@@ -406,18 +412,21 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
                                      ("scenarios_no_golden", float(sum(r.state == "no golden"
                                                                        for r in results)), 0),
                                      ("seconds", float(sum(r.seconds for r in results)), 0)])
-    client.set_terminated(pid, status="FINISHED")
+    client.set_terminated(pid, status="KILLED" if interrupted else "FINISHED")
 
 
 def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, report_dir: Path,
                    experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
                    extra_tags: dict | None = None,
-                   report_files: list[Path] | None = None) -> LogOutcome:
+                   report_files: list[Path] | None = None,
+                   interrupted: list[str] | None = None) -> LogOutcome:
     """Log ``results`` (one ``rlaudit run`` invocation). Never raises: ``ok=False`` and a message
     saying what was and was not logged when MLflow is missing, unreachable or misconfigured.
 
     ``report_files``: the paths ``write_run_report`` returned for these results, attached as
-    they are; without it the report is rendered again into a temporary directory."""
+    they are; without it the report is rendered again into a temporary directory.
+    ``interrupted``: scenarios a Ctrl-C stopped before they finished (the parent run ends KILLED,
+    ``rlaudit.passed`` false)."""
     from rlaudit.report.mlflow_guard import BudgetedClient, RetryBudget, open_store_lock, probe
     uri, artifact_location = resolve_tracking_uri(tracking_uri, Path(report_dir))
     prog = _Progress()
@@ -435,7 +444,7 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
                 client = BudgetedClient(MlflowClient(tracking_uri=uri), budget)
                 exp_id = _experiment_id(client, experiment, artifact_location)
             _log(results, client, exp_id, prog, run_name=run_name, extra_tags=extra_tags or {},
-                 git=git_revision(), report_files=report_files)
+                 git=git_revision(), report_files=report_files, interrupted=interrupted or [])
     except Exception as e:
         err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if isinstance(e, ImportError):
