@@ -75,8 +75,8 @@ def _is_scenario(path: Path, root: Path | None = None) -> bool:
     if path.suffix not in (".yaml", ".yml") or {"models", "rollouts", "found"} & set(parts[:-1]):
         return False
     try:
-        from rlaudit.yaml_load import load_yaml
-        data = load_yaml(path.read_text())
+        import yaml
+        data = yaml.safe_load(path.read_text())
     except Exception:
         return False
     return isinstance(data, dict) and "invariants" in data

@@ -194,10 +194,10 @@ def _start_rank_imports(args, paths) -> None:
 
 
 def _forks_ranks(path, backends: list[str] | None, device: str | None) -> bool:
-    from rlaudit.yaml_load import load_yaml
+    import yaml
 
     try:
-        spec = load_yaml(Path(path).read_text())
+        spec = yaml.safe_load(Path(path).read_text())
         named = set(spec.get("backends") or {})
         on_cpu = (device or spec.get("device") or "cpu") == "cpu"
     except Exception:  # noqa: BLE001 - validation reports it
