@@ -21,6 +21,7 @@ from rlaudit import switches
 from rlaudit.cli.argcheck import check_dir_option, check_file_option, check_sqlite_store
 from rlaudit.cli.common import DEFAULT_REPORTS
 from rlaudit.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
+from rlaudit.report.redact import redact
 
 #: invocations compared when no selection is given
 DEFAULT_LAST = 10
@@ -101,7 +102,8 @@ def open_store(tracking_uri: str | None, report_dir: Path):
     try:
         preflight(uri)
     except OSError as e:
-        raise InputError(f"cannot reach MLflow at {uri}: {e}", key="--tracking-uri") from None
+        raise InputError(redact(f"cannot reach MLflow at {uri}: {e}", uri),
+                         key="--tracking-uri") from None
     try:
         # lazy: mlflow: 1-2 s import, only `report` needs it
         from mlflow.tracking import MlflowClient
@@ -133,8 +135,9 @@ def run(args) -> int:
         except InputError:
             raise
         except Exception as e:  # MLflow errors: wrong URI, a server answering errors, ...
-            raise InputError(f"could not read runs from MLflow at {uri}: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}",
+            raise InputError(redact(f"could not read runs from MLflow at {uri}: "
+                                    f"{type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''}", uri),
                              key="--tracking-uri") from None
     table = drift.analyse(window)
     text = drift.render_text(table, window)

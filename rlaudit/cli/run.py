@@ -157,7 +157,9 @@ def _run(args) -> int:
         except KeyboardInterrupt:  # what finished is still reported and logged
             print(f"rlaudit: interrupted after {len(results)} of {len(scenarios)} scenario(s); "
                   "reporting those", file=sys.stderr, flush=True)
-            _report(results, args, plots)
+            finished = {r.scenario for r in results}
+            _report(results, args, plots,
+                    interrupted=[s.name for s in scenarios if s.name not in finished])
             return EXIT_INTERRUPTED
     _report(results, args, plots)
     if args.json:
@@ -241,9 +243,10 @@ def _plots_now(res, plots: dict) -> None:
         pass
 
 
-def _report(results, args, plots: dict | None = None) -> None:
+def _report(results, args, plots: dict | None = None, interrupted: list[str] | None = None) -> None:
     """Local report and MLflow logging; neither may lose the audit result if it fails.
-    ``plots``: the report's plots rendered already (_plots_now)."""
+    ``plots``: the report's plots rendered already (_plots_now); ``interrupted``: the scenarios
+    a Ctrl-C stopped (MLflow: the invocation KILLED, not passed)."""
     # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.warm import wait_for_warm_imports
 
@@ -268,5 +271,5 @@ def _report(results, args, plots: dict | None = None) -> None:
         print(f"rlaudit: warning: MLflow logging unavailable ({e})", file=sys.stderr)
         return
     outcome = log_invocation(results, tracking_uri=args.tracking_uri, report_dir=report_dir,
-                             report_files=paths)
+                             report_files=paths, interrupted=interrupted)
     print(f"rlaudit: {outcome.message}", file=sys.stderr)

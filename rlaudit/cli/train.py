@@ -13,6 +13,7 @@ import yaml
 
 from rlaudit.cli.argcheck import check_train_options
 from rlaudit.errors import InputError
+from rlaudit.yaml_load import load_yaml
 
 
 def add_parser(sub) -> None:
@@ -35,7 +36,7 @@ def load_job(path: str):
     if not p.exists():
         raise InputError("config file does not exist", source=path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except yaml.YAMLError as e:
         raise InputError(f"not valid YAML: {e}", source=path) from None
     return TrainJob.from_dict(data or {}, source=path, base_dir=p.parent)

@@ -17,7 +17,8 @@ What runs where:
 - scenarios run concurrently, as many as the cluster has room for two-rank groups (a local
   cluster: one at a time per two cores), each scenario's backends in order.
 
-Ray starts quietly: no dashboard, workers' output not forwarded (``log_to_driver=False``), usage
+A local cluster listens on loopback only (rlaudit/executors/ray_loopback.py). Ray starts
+quietly: no dashboard, workers' output not forwarded (``log_to_driver=False``), usage
 stats off (``RAY_USAGE_STATS_ENABLED=0``), its own messages into the run's log file. A local
 cluster advertises a few more logical CPUs than the machine has (:data:`LOCAL_EXTRA_CPUS`) so
 that a warm group of each backend (reference 1 rank, FSDP 2, Megatron 2) can stay up side by side
@@ -37,6 +38,7 @@ from rlaudit.backends.launch import pool
 from rlaudit.errors import InputError
 from rlaudit.executors.progress import Progress
 from rlaudit.executors.ray_address import probe_ray_address
+from rlaudit.executors.ray_loopback import init_local_cluster
 from rlaudit.executors.ray_ranks import RayPoolSet
 from rlaudit.quiet import quiet_loggers
 
@@ -68,18 +70,20 @@ class RayExecutor:
         torch.set_num_threads(self._threads)  # and the driver's checks
         quiet_loggers()
         if not ray.is_initialized():
-            # nothing listening there: ray.init would retry for minutes
-            probe_ray_address(self.address, flag="--ray-address" if self._flag_address
-                              else "RAY_ADDRESS")
-            kw = {"address": self.address} if self.address else {
-                "num_cpus": (os.cpu_count() or 1) + LOCAL_EXTRA_CPUS}
-            try:
-                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                         logging_level=logging.WARNING, **kw)
-            except (ConnectionError, TimeoutError) as e:  # something listens, but not Ray's GCS
-                raise InputError(f"cannot join a Ray cluster at {self.address}: {e}",
-                                 key="--ray-address" if self._flag_address else "RAY_ADDRESS") \
-                    from None
+            quiet = dict(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         logging_level=logging.WARNING)
+            if self.address:
+                # nothing listening there: ray.init would retry for minutes
+                probe_ray_address(self.address, flag="--ray-address" if self._flag_address
+                                  else "RAY_ADDRESS")
+                try:
+                    ray.init(address=self.address, **quiet)
+                except (ConnectionError, TimeoutError) as e:  # it listens, but not Ray's GCS
+                    raise InputError(f"cannot join a Ray cluster at {self.address}: {e}",
+                                     key="--ray-address" if self._flag_address
+                                     else "RAY_ADDRESS") from None
+            else:  # a cluster of our own: listening on loopback only
+                init_local_cluster(num_cpus=(os.cpu_count() or 1) + LOCAL_EXTRA_CPUS, **quiet)
             self._started_ray = True
         quiet_loggers()
         self.pools = RayPoolSet()

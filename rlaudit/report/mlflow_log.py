@@ -51,7 +51,8 @@ from rlaudit.report.mlflow_content import (INVOCATION, KIND_TAG, MAX_TAG_VALUE, 
                                            child_params, child_tags, reference_backend,
                                            sanitize_key, token_diffs, write_frame)
 from rlaudit.report.mlflow_guard import BudgetedClient, RetryBudget, open_store_lock, ping
-from rlaudit.verdict.result import ScenarioResult
+from rlaudit.report.redact import redact
+from rlaudit.verdict.result import INTERRUPTED, ScenarioResult
 
 EMBEDDED_DB = "mlflow.db"
 EMBEDDED_ARTIFACTS = "mlartifacts"
@@ -190,12 +191,16 @@ def _log_batch(client, run_id: str, *, metrics=(), params=None, tags=None) -> No
 
 
 def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
-         report_files: list[Path] | None) -> None:
+         report_files: list[Path] | None, interrupted: list[str] = ()) -> None:
     prog.stage = "creating the parent run"
+    # an interrupted invocation never passed: its unfinished scenarios are named, not dropped
+    states = [f"{r.scenario}={r.state}" for r in results] + [f"{n}={INTERRUPTED}"
+                                                            for n in interrupted]
     parent_tags = {**extra_tags, KIND_TAG: INVOCATION,
-                   "rlaudit.passed": str(bool(results) and all(r.passed for r in results)).lower(),
-                   "rlaudit.states": ",".join(f"{r.scenario}={r.state}"
-                                              for r in results)[:MAX_TAG_VALUE],
+                   "rlaudit.passed": str(bool(results) and not interrupted
+                                         and all(r.passed for r in results)).lower(),
+                   "rlaudit.interrupted": str(bool(interrupted)).lower(),
+                   "rlaudit.states": ",".join(states)[:MAX_TAG_VALUE],
                    "rlaudit.scenarios": ",".join(r.scenario for r in results)[:MAX_TAG_VALUE]}
     with contextlib.suppress(Exception):
         parent_tags["mlflow.user"] = getpass.getuser()
@@ -263,18 +268,21 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
                                      ("scenarios_no_golden", float(sum(r.state == "no golden"
                                                                        for r in results)), 0),
                                      ("seconds", float(sum(r.seconds for r in results)), 0)])
-    client.set_terminated(pid, status="FINISHED")
+    client.set_terminated(pid, status="KILLED" if interrupted else "FINISHED")
 
 
 def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, report_dir: Path,
                    experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
                    extra_tags: dict | None = None,
-                   report_files: list[Path] | None = None) -> LogOutcome:
+                   report_files: list[Path] | None = None,
+                   interrupted: list[str] | None = None) -> LogOutcome:
     """Log ``results`` (one ``rlaudit run`` invocation). Never raises: ``ok=False`` and a message
     saying what was and was not logged when MLflow is missing, unreachable or misconfigured.
 
     ``report_files``: the paths ``write_run_report`` returned for these results, attached as
-    they are; without it the report is rendered again into a temporary directory."""
+    they are; without it the report is rendered again into a temporary directory.
+    ``interrupted``: scenarios a Ctrl-C stopped before they finished (the parent run ends KILLED,
+    ``rlaudit.passed`` false)."""
     uri, artifact_location = resolve_tracking_uri(tracking_uri, Path(report_dir))
     prog = _Progress()
     client = None
@@ -291,7 +299,7 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
                 client = BudgetedClient(MlflowClient(tracking_uri=uri), budget)
                 exp_id = _experiment_id(client, experiment, artifact_location)
             _log(results, client, exp_id, prog, run_name=run_name, extra_tags=extra_tags or {},
-                 git=git_revision(), report_files=report_files)
+                 git=git_revision(), report_files=report_files, interrupted=interrupted or [])
     except Exception as e:
         err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if isinstance(e, ImportError):
@@ -301,11 +309,12 @@ def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, r
         if client is not None and prog.parent:
             with contextlib.suppress(Exception), bounded_http(retries=0):
                 client._client.set_terminated(prog.parent, status="FAILED")  # no retry left
-        return LogOutcome(False, f"MLflow logging to {uri} failed while {prog.stage}: {err}; "
-                                 f"{done} (the audit result above stands)", prog.parent, uri)
+        return LogOutcome(False, redact(f"MLflow logging to {uri} failed while {prog.stage}: "
+                                        f"{err}; {done} (the audit result above stands)", uri),
+                          prog.parent, uri)
     retried = [f"retried {', '.join(budget.spent)}"] if budget.spent else []
     notes = f"; {'; '.join(prog.notes + retried)}" if prog.notes or retried else ""
-    return LogOutcome(not prog.notes, f"logged {len(results)} scenario(s), {prog.children} "
-                                      f"run(s) to MLflow {uri} (experiment {experiment!r}, parent "
-                                      f"run {prog.parent}, {time.perf_counter() - t0:.1f}s){notes}",
+    return LogOutcome(not prog.notes, redact(
+        f"logged {len(results)} scenario(s), {prog.children} run(s) to MLflow {uri} (experiment "
+        f"{experiment!r}, parent run {prog.parent}, {time.perf_counter() - t0:.1f}s){notes}", uri),
                       prog.parent, uri)

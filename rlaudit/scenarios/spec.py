@@ -36,7 +36,9 @@ import yaml
 from rlaudit import catalogue  # the invariant names without importing the invariants (torch)
 from rlaudit.config import Config, load_config
 from rlaudit.errors import InputError
+from rlaudit.scenarios.bounds import check_sizes, check_unique_names
 from rlaudit.verdict.tolerance import DEFAULT_TOLERANCES, Tolerance
+from rlaudit.yaml_load import load_yaml
 
 TOP_KEYS = {"name", "description", "model", "ref_model", "rollout", "steps", "dtype", "config", "backends",
             "invariants", "tolerances", "tags", "device"}
@@ -95,7 +97,7 @@ def load_scenario(path: str | Path) -> Scenario:
     if not path.exists():
         raise InputError("scenario file does not exist", source=src)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise InputError(f"not valid YAML: {e}", source=src) from None
     except UnicodeDecodeError as e:
@@ -154,10 +156,12 @@ def scenario_from_dict(data: Any, *, path: Path) -> Scenario:
     # the name becomes golden/<name>.json: it must not point anywhere else
     _expect(not set(name) & {"/", "\\"} and name not in (".", ".."),
             f"expected a file-name-safe string (no path separators), got {name!r}", src, "name")
-    return Scenario(name=name, path=path, description=desc.strip(), model=model,
-                    ref_model=ref_model, rollout=rollout,
-                    config=config, backends=backends, invariants=invariants, steps=steps,
-                    dtype=dtype, device=device, tolerances=tolerances, tags=tags)
+    scn = Scenario(name=name, path=path, description=desc.strip(), model=model,
+                   ref_model=ref_model, rollout=rollout,
+                   config=config, backends=backends, invariants=invariants, steps=steps,
+                   dtype=dtype, device=device, tolerances=tolerances, tags=tags)
+    check_sizes(scn)  # before anything iterates over steps, epochs or ranks
+    return scn
 
 
 def _resolve(base: Path, value: Any, src: str, key: str) -> Path:
@@ -236,7 +240,9 @@ def discover(root: str | Path) -> list[Path]:
 def resolve(names: list[str], *, all_: bool, root: str | Path) -> list[Path]:
     """Scenario names (file stems) or paths, or with ``all_`` every scenario under ``root``."""
     root = Path(root)
-    found = {p.stem: p for p in discover(root)} if root.is_dir() else {}
+    discovered = discover(root) if root.is_dir() else []
+    check_unique_names(discovered)
+    found = {p.stem: p for p in discovered}
     if all_:
         if names:
             raise InputError("give scenario names or --all, not both")

@@ -31,6 +31,8 @@ from rlaudit.data.io import load_rollout
 from rlaudit.data.ranges import check_rollout_values, vocab_size_of
 from rlaudit.errors import InputError, InputErrors, Problems, raise_problems
 from rlaudit.model.load import TOKENIZER_FILES, snapshot_id, weight_files
+from rlaudit.model.snapshot_check import check_weights_hash
+from rlaudit.scenarios.bounds import duplicate_names
 from rlaudit.scenarios.golden import golden_path, read_golden
 from rlaudit.scenarios.spec import load_scenario
 from rlaudit.scenarios.variants import check_sampling_matches, replayable_variants
@@ -62,6 +64,8 @@ def validate_invocation(paths: list[Path], *, backends: list[str] | None = None,
         if device:
             scn.device = device
         scenarios.append(scn)
+    for err in duplicate_names(scenarios):
+        problems.take(err)
     cache: dict = {}
     for scn in scenarios:
         check_scenario_inputs(scn, problems, golden_dir=golden_dir, cache=cache)
@@ -135,6 +139,7 @@ def _check_model(path: Path) -> dict:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise InputError(f"not a complete safetensors file (truncated or corrupt?): {e}",
                              source=str(f)) from None
+    check_weights_hash(path)  # an rlaudit snapshot's weights are the ones it recorded
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise InputError(f"no tokenizer files (expected one of {', '.join(TOKENIZER_FILES[:2])})",
                          source=str(path))

@@ -24,6 +24,9 @@ GOLDEN_PASS, GOLDEN_FAIL, STALE, NO_GOLDEN, BLESSED, REFUSED = (
 BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, PASSED = (
     "bad input", "failed", "blessed", "no golden", "passed")
 STATES = (BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, PASSED)
+#: a scenario a Ctrl-C stopped before it finished: no result of its own, named in the
+#: invocation's MLflow record so that an interrupted run is never recorded as passed
+INTERRUPTED = "interrupted"
 
 
 @dataclass

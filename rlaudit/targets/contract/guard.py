@@ -101,7 +101,7 @@ class Guard:
             out = fn(*args, **kwargs)
         except NotImplementedError:
             raise
-        except Exception as e:  # the stage's own failure is the finding
+        except (Exception, SystemExit) as e:  # the stage's own failure (exit() too) is the finding
             raise AdapterRaised(stage, e) from e
         where = f" ({label})" if label else ""
         for path, t in tensors_in(given):

@@ -13,6 +13,7 @@ import sys
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import STAGES, adapter_name, provided_stages
 from rlaudit.targets.contract.declare import validate
+from rlaudit.targets.contract.target_errors import TARGET_FAILURES, target_error
 from rlaudit.targets.peers.registry import PEERS, resolve
 
 
@@ -47,12 +48,19 @@ def load_adapter(spec: str) -> object:
         except ModuleNotFoundError as e:
             raise InputError(f"cannot import module {module_name!r} (also tried from {cwd}): "
                              f"{e}", key="--target") from None
+        except TARGET_FAILURES as e:
+            raise target_error(f"importing {module_name}", spec, e) from None
+    except TARGET_FAILURES as e:  # the module's own code failed: a syntax error, a raise, exit()
+        raise target_error(f"importing {module_name}", spec, e) from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
         raise InputError(f"module {module_name!r} has no attribute {attr!r}",
                          key="--target") from None
-    adapter = obj() if isinstance(obj, type) else obj
+    try:
+        adapter = obj() if isinstance(obj, type) else obj
+    except TARGET_FAILURES as e:
+        raise target_error(f"{attr}()", spec, e) from None
     adapter_name(adapter)  # validates ``name``
     validate(adapter)      # precision, tolerances, differences: exit 2 before anything runs
     if not provided_stages(adapter):

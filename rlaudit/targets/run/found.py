@@ -35,6 +35,7 @@ from rlaudit.targets.stages.filter import FilterInput
 from rlaudit.targets.stages.registry import StageEnv
 from rlaudit.targets.stages.suite import stage_checks
 from rlaudit.verdict.result import CheckResult, ScenarioResult
+from rlaudit.yaml_load import load_yaml
 
 KIND = "stage-case"
 KEYS = {"kind", "description", "target", "check", "inputs", "input_kind", "overrides",
@@ -57,7 +58,7 @@ def is_stage_case(path: str | os.PathLike) -> bool:
     if p.suffix not in (".yaml", ".yml") or not p.is_file():
         return False
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = load_yaml(p.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError, OSError):
         return False
     return isinstance(data, dict) and data.get("kind") == KIND
@@ -139,7 +140,7 @@ def load_stage_case(path: str | os.PathLike) -> tuple[str, Draw, dict]:
     path = Path(path)
     src = str(path)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = load_yaml(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
         raise InputError(f"not a readable YAML file: {e}", source=src) from None
     if not isinstance(doc, dict) or doc.get("kind") != KIND:

@@ -150,7 +150,7 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
             raise
         except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
             res.errors[b] = f"{type(e).__name__}: {e}"
-        except Exception as e:  # a crashing trainer is a finding, reported with its traceback
+        except (Exception, SystemExit) as e:  # a crashing trainer is a finding, with its traceback
             res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0], {"traceback": err}))

@@ -287,7 +287,7 @@ def _train_runs(env: StageEnv):
         first = env.adapter.train_step(steps=1, **kw)
         values = [metric_floats(m, "train_step") for m in first.metrics]
         second = env.adapter.train_step(steps=2, **kw)
-    except Exception as e:  # the adapter's failure on a valid batch is the finding
+    except (Exception, SystemExit) as e:  # the adapter's failure on a valid batch is the finding
         env._train_runs = AdapterRaised("train_step", e)
         return env._train_runs
     env._train_runs = (unchanged_since(batch, before), first, values, second)

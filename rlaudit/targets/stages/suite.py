@@ -42,7 +42,7 @@ def run_stage_checks(adapter: object, *, stages: list[str] | None = None,
             res.checks.append(check.fn(env))
         except InputError:      # the adapter's declarations are wrong (exit 2), not a finding
             raise
-        except Exception as e:  # a bug in the check, or an adapter raising outside attempt()
+        except (Exception, SystemExit) as e:  # a bug in the check, or the adapter outside attempt()
             res.checks.append(CheckResult(check.name, name, ERROR,
                                           f"the check raised {type(e).__name__}: {e}",
                                           {"traceback": traceback.format_exc()}))
