@@ -255,7 +255,7 @@ class Config:
 
     @property
     def compute_entropy(self) -> bool:
-        """SEEDS.md §1: entropy is computed when either knob asks for it."""
+        """docs/findings.md, seeds: entropy is computed when either knob asks for it."""
         return self.actor.calculate_entropy or self.actor.entropy_coeff != 0
 
 

@@ -326,3 +326,19 @@ def test_comments_explain_the_code_not_its_history():
                 narrating.append(f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}")
     assert not narrating, ("comments that narrate history (say why in the code's terms, name the "
                            "bug class):\n" + "\n".join(narrating))
+
+
+def test_documents_the_code_points_to_exist():
+    """A docstring or comment naming a ``.md`` page names one in the repository (``docs/...``,
+    ``README.md``, ...), not a design note that lives elsewhere."""
+    repo = PACKAGE.parent
+    generated = {"report.md"}  # what rlaudit writes (the run report), not a page to read
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for page in re.findall(r"[\w./-]*\w\.md\b", line):
+                inside = not page.startswith("..")
+                if page not in generated and not (inside and ((repo / page).exists()
+                                                              or (repo / "docs" / page).exists())):
+                    missing.append(f"{path.relative_to(repo)}:{n}: {page}")
+    assert not missing, "pages named in the code that the repository lacks:\n" + "\n".join(missing)

@@ -1,4 +1,4 @@
-"""DAPO reward shaping and dynamic sampling (verl's DAPO recipe, ``../shared/SEEDS.md`` §5).
+"""DAPO reward shaping and dynamic sampling (verl's DAPO recipe, docs/findings.md, seeds).
 
 - :func:`overlong_penalty`: the soft length penalty added to a trajectory's score.
 - :func:`filter_groups`: which rows survive "dynamic sampling" (drop prompt groups whose metric

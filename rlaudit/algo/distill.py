@@ -8,7 +8,7 @@ Inputs come in either of two layouts, with identical results and gradients:
   ``[len_i]`` (or ``[len_i, K]``), lengths may be 0. No mask (every stored token counts). The
   result is a nested tensor with the same offsets.
 
-Why the two layouts (verl PR #5997, ``../shared/SEEDS.md`` §3): a data path started delivering
+Why the two layouts (verl PR #5997, docs/findings.md, seeds): a data path started delivering
 nested tensors and the loss's index ops failed on them. On torch 2.13 ``gather``, ``logsumexp``
 and the backward of ``log_softmax`` and ragged ``sum`` do not work on nested tensors, so nested
 inputs are computed on their packed values and offsets

@@ -4,7 +4,7 @@ Pipeline (verl's): ``scores [B]`` -> :func:`place_scores` -> ``token_level_score
 :func:`apply_kl_in_reward` (optional) -> ``token_level_rewards [B, R]``.
 
 Everything here is built **out of place**. The bug this module exists to avoid (slime PR #2114,
-``../shared/SEEDS.md`` §2): the stored per-token KL, later logged as ``rollout/kl``, aliased the
+docs/findings.md, seeds): the stored per-token KL, later logged as ``rollout/kl``, aliased the
 tensor that reward shaping then scaled and added to in place, so the logged KL became the reward.
 Here the returned ``kl`` and ``token_level_rewards`` are fresh tensors that share no storage with
 each other or with any input, and no input is written to.

@@ -7,7 +7,7 @@
   along dim 1. It is exactly ``(values, offsets)`` wrapped in one object.
 
 On torch 2.13 many ops on jagged nested tensors do not work or have no backward (``gather``,
-``logsumexp``, the backward of ``log_softmax`` and of a ragged ``sum``; see ARCHITECTURE.md).
+``logsumexp``, the backward of ``log_softmax`` and of a ragged ``sum``).
 rlaudit therefore treats nested tensors as an *input format* only: convert them with
 :func:`nested_to_packed` / :func:`nested_to_padded` and compute on packed values + offsets or on
 the padded tensor with a mask. Every conversion here is built from differentiable ops

@@ -1,5 +1,6 @@
 """Batch transforms that must not change a correct trainer's results (the metamorphic relations
-of ARCHITECTURE.md): permuting rows, appending padding columns, changing values nobody may read.
+of docs/internals.md, "Invariants and variants"): permuting rows, appending padding columns,
+changing values nobody may read.
 
 Every function returns a new batch; the input is untouched.
 """

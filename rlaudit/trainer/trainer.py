@@ -1,4 +1,5 @@
-"""The reference trainer: a real, single-process, deterministic RL trainer (SEEDS.md §5).
+"""The reference trainer: a real, single-process, deterministic RL trainer (docs/findings.md,
+seeds).
 
 Per step:
     generation batches (n samples per prompt, reference sampler) -> rule reward per response

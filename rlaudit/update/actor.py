@@ -6,7 +6,7 @@ the mini-batch; contributions sum over micro-batches and data-parallel ranks to 
 whole mini-batch, which is what one process would compute on it (so micro-batch size, token
 budget, padding micro-batches and DP size cannot change the result).
 
-Entropy (SEEDS.md §1): computed when ``calculate_entropy`` or ``entropy_coeff != 0``; whenever
+Entropy (docs/findings.md, seeds): computed when ``calculate_entropy`` or ``entropy_coeff != 0``; whenever
 computed it is reported as ``actor/entropy``; it enters the loss only when ``entropy_coeff != 0``.
 """
 

@@ -27,7 +27,7 @@ from rlaudit.backends.base import ReplayRequest, Variant
 from rlaudit.backends.probe import ProbeSpec
 from rlaudit.data.io import load_rollout
 from rlaudit.scenarios.invariants.base import with_overrides
-from rlaudit.scenarios.localise import _summary, finish_with_probe, pair_entry
+from rlaudit.scenarios.localise import entry_summary, finish_with_probe, pair_entry
 from rlaudit.scenarios.localise_layers import backward_report, forward_report
 from rlaudit.scenarios.spec import load_scenario
 
@@ -74,7 +74,7 @@ def _localise(backend: str, run) -> tuple[dict, ProbeSpec | None]:
     entry, spec = pair_entry(scn, backend, ["backend-parity"], variant, run, want)
     if spec is not None:
         finish_with_probe(scn, entry, v.batch.mask, run.info["probe"], want.info["probe"])
-    entry["summary"] = _summary(entry)
+    entry["summary"] = entry_summary(entry)
     print(entry["summary"])
     return entry, spec
 

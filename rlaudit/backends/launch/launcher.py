@@ -51,7 +51,7 @@ Design decisions:
   whereas a rank that dies before its result is complete raises
   :class:`~rlaudit.errors.RankFailure`. Results are loaded
   onto the CPU (``map_location="cpu"``) with full unpickling: they come from our own ranks.
-- *Failures* (SEEDS.md section 4: a rank raising inside forward/backward desynchronised the
+- *Failures* (docs/findings.md, seeds: a rank raising inside forward/backward desynchronised the
   collective and every rank died with no traceback): a rank that raises records the traceback and
   exits at once, without entering another collective; the launcher watches every rank at once,
   and after the first failure (plus a 1 s grace for other ranks' own errors) dumps the survivors'

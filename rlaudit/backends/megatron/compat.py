@@ -1,7 +1,7 @@
 """Running megatron-core 0.16.1 without CUDA: a few targeted patches, process-group setup, teardown.
 
-megatron-core assumes a GPU in a handful of places that our CPU/gloo runs go through (see
-ARCHITECTURE.md, "Facts established"). :func:`apply_cpu_patches` fixes exactly those, and only when
+megatron-core assumes a GPU in a handful of places that our CPU/gloo runs go through (listed
+below). :func:`apply_cpu_patches` fixes exactly those, and only when
 ``torch.cuda.is_available()`` is False; on a GPU machine it does nothing and megatron runs as
 shipped. Every patch is one of three kinds, each as narrow as we could make it:
 

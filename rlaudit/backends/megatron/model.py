@@ -6,8 +6,8 @@
     mask   = attention_mask_4d(attention_mask)          # [b, s] 1=token -> [b, 1, s, s] True=masked
     logits = model(input_ids, position_ids(input_ids), mask)   # last stage: [b, s, V_pad/tp]
 
-The layer recipe (ARCHITECTURE.md, megatron facts): local spec with ``torch.nn.RMSNorm``, gated
-SiLU MLP (``gated_linear_unit=True``), no linear biases except Qwen2's q/k/v biases, grouped-query
+The layer recipe (docs/internals.md, "Megatron backend"): local spec with ``torch.nn.RMSNorm``,
+gated SiLU MLP (``gated_linear_unit=True``), no linear biases except Qwen2's q/k/v biases, grouped-query
 attention (``num_query_groups``, ``kv_channels``), RoPE with the checkpoint's own ``rotary_base``
 (transformers 5.x keeps it in ``config.rope_parameters``; falling back to megatron's default 10000
 would silently give a different model).

@@ -1,4 +1,5 @@
-"""The four seed invariants (SEEDS.md): the bugs rlaudit was founded on, stated generally."""
+"""The four seed invariants (docs/findings.md, seeds): the bugs rlaudit was founded on, stated
+generally."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Calling an adapter's stage under watch: no mutation of inputs, no aliasing of outputs
-(family 2 of ARCHITECTURE.md; the stored-KL bug of slime PR #2114 is the model case).
+(the aliasing/mutation family; the stored-KL bug of slime PR #2114 is the model case).
 
 Every stage check calls the adapter through :meth:`Guard.call`. The guard hands the stage fresh
 copies of its inputs (so a stage that writes to its inputs cannot corrupt the inputs of later

@@ -2,8 +2,8 @@
 the reference, metamorphic relations and no-mutation, on the deterministic inputs of
 :mod:`rlaudit.targets.inputs.cases`.
 
-Each check is registered under ``"<stage>:<property>"`` with an ARCHITECTURE.md family and gives
-one :class:`~rlaudit.verdict.result.CheckResult` for the adapter: ``fail`` with the first
+Each check is registered under ``"<stage>:<property>"`` with its family (docs/targets.md, the
+check table) and gives one :class:`~rlaudit.verdict.result.CheckResult` for the adapter: ``fail`` with the first
 problems (case, name, worst token), ``n/a`` when the stage is not provided or every name it was
 asked about is declared or raised as unsupported (``NotImplementedError``), ``pass`` otherwise.
 :func:`run_stage_checks` runs them all and returns the pseudo-scenario ``"stages"``.
