@@ -174,7 +174,7 @@ class TargetPolicy(ScenarioPolicy):
                 raise
             except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
                 done.append((b, f"{type(e).__name__}: {e}"))
-            except (Exception, SystemExit) as e:  # a crashing trainer is a finding, with its traceback
+            except (Exception, SystemExit) as e:  # a crashing trainer: a finding, with traceback
                 done.append((b, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return done
 
