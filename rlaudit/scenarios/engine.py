@@ -82,10 +82,81 @@ def _replay_all(jobs, replay, *, concurrent: bool):
         return [(b, f.result()) for b, f in futures]
 
 
+class ScenarioPolicy:
+    """What :func:`run_scenario` does that depends on where a scenario runs. This default runs it
+    on rlaudit's backends as the scenario lays them out (the engine's behaviour);
+    rlaudit.targets.run.runner.TargetPolicy runs it against a trainer's adapter with the reference
+    backend as the oracle. Each method is one step of run_scenario, in the order it calls them."""
+
+    #: added to the scenario's tags in the result
+    tags: tuple[str, ...] = ()
+
+    def __init__(self, backends: list[str] | None = None, *, timeout: float = 900.0,
+                 replay=None, concurrent: bool = False):
+        self.backends, self.timeout = backends, timeout
+        self.replay, self.concurrent = replay or _replay, concurrent
+
+    def prepare(self, scn: Scenario) -> Scenario:
+        return scn
+
+    def rows(self, scn: Scenario):
+        return scenario_rows(scn)[0]  # DAPO filter, if enabled
+
+    def plan(self, scn: Scenario) -> tuple[list[str], list[str]]:
+        return planned_backends(scn, self.backends)
+
+    def variants(self, scn: Scenario, batch) -> list:
+        return replayable_variants(scn, batch)
+
+    def provenance(self, scn: Scenario, batch) -> dict:
+        return environment(scn)
+
+    def jobs(self, scn: Scenario, names: list[str], variants: list, res: ScenarioResult
+             ) -> list | None:
+        """``(name, backend, request)`` per backend to replay, an unavailable one reported n/a
+        in ``res``; None: nothing is to run (run_scenario returns ``res`` as it is)."""
+        jobs = []
+        for b in names:
+            backend = get_backend(b)
+            ok, why = backend.available()
+            if not ok:
+                res.checks.append(CheckResult("*", b, NA, f"backend unavailable: {why}"))
+                continue
+            jobs.append((b, backend, localise.replay_request(scn, variants, b, self.timeout)))
+        return jobs
+
+    def replay_all(self, jobs: list) -> list:
+        """``(backend name, runs | InputError | error text)`` for every job, in the jobs' order."""
+        return _replay_all(jobs, self.replay, concurrent=self.concurrent)
+
+    def checks(self, scn: Scenario, ctx: CheckContext) -> list[CheckResult]:
+        return [r for name in scn.invariants for r in check_one(name, ctx)]
+
+    def localise(self, scn: Scenario, ctx: CheckContext, res: ScenarioResult):
+        return localise.localise_scenario(scn, ctx, res, timeout=self.timeout)
+
+
+def scenario_rows(scn: Scenario):
+    """``(rows replayed, rollout as loaded)``: the rows after DAPO's group filter when enabled."""
+    raw = load_rollout(scn.rollout)
+    return select_groups(raw, scn.config)[0], raw
+
+
+def check_one(name: str, ctx: CheckContext) -> list[CheckResult]:
+    """One invariant's results; a check that raises is an ERROR result with its traceback."""
+    inv = INVARIANTS.get(name)
+    try:
+        return inv.check(ctx)
+    except Exception as e:
+        return [CheckResult(name, "*", ERROR, f"the check raised {type(e).__name__}: {e}",
+                            {"traceback": traceback.format_exc()})]
+
+
 def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
                  golden_dir: str | Path | None = None, bless: bool = False,
                  timeout: float = 900.0, replay=None, force: bool = False,
-                 concurrent_backends: bool = False) -> ScenarioResult:
+                 concurrent_backends: bool = False,
+                 policy: ScenarioPolicy | None = None) -> ScenarioResult:
     """``backends``: restrict to these (default: the scenario's). Unavailable backends (e.g.
     megatron-core not installed) are reported as n/a for every invariant, never as passed.
     ``replay(backend, request) -> {variant: VariantRun}`` carries out one backend's replay
@@ -95,60 +166,52 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     reference replay under the executor's lock); the results are the same, in the same order.
     ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
     crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
-    left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate)."""
+    left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate).
+    ``policy``: where the scenario runs (:class:`ScenarioPolicy`; given, it replaces
+    ``backends``, ``timeout``, ``replay`` and ``concurrent_backends``)."""
     t0 = time.perf_counter()
-    batch, _ = select_groups(load_rollout(scn.rollout), scn.config)  # DAPO filter, if enabled
+    policy = policy or ScenarioPolicy(backends, timeout=timeout, replay=replay,
+                                      concurrent=concurrent_backends)
+    scn = policy.prepare(scn)
+    batch = policy.rows(scn)
     check_sampling_matches(scn, batch)
-    names, skipped = planned_backends(scn, backends)
-    variants = replayable_variants(scn, batch)
+    names, skipped = policy.plan(scn)
+    variants = policy.variants(scn, batch)
     res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names + skipped,
                          config=flatten(to_dict(scn.config)),
                          layouts={b: dict(scn.backends.get(b, {})) for b in names + skipped},
-                         dtype=scn.dtype, device=scn.device, tags=list(scn.tags),
-                         provenance=environment(scn))
+                         dtype=scn.dtype, device=scn.device, tags=[*scn.tags, *policy.tags],
+                         provenance=policy.provenance(scn, batch))
     for b in skipped:
         res.checks.append(CheckResult("*", b, NA, f"scenario {scn.name} does not configure "
                                                   f"backend {b}"))
-    jobs = []
-    for b in names:
-        backend = get_backend(b)
-        ok, why = backend.available()
-        if not ok:
-            res.checks.append(CheckResult("*", b, NA, f"backend unavailable: {why}"))
-            continue
-        request = ReplayRequest(model=str(scn.model), variants=variants,
-                                ref_model=str(scn.ref_model) if scn.ref_model else None,
-                                layout=scn.backends.get(b, {}), dtype=scn.dtype, device=scn.device,
-                                timeout=timeout)
-        jobs.append((b, backend, request))
+    jobs = policy.jobs(scn, names, variants, res)
+    if jobs is None:
+        res.seconds = time.perf_counter() - t0
+        return res
     runs = {}
-    for b, outcome in _replay_all(jobs, replay or _replay, concurrent=concurrent_backends):
+    for b, outcome in policy.replay_all(jobs):
         if isinstance(outcome, InputError):
             raise outcome
         if isinstance(outcome, str):
             res.errors[b] = outcome
         else:
             runs[b] = outcome
-            res.metrics[b] = outcome["base"].steps
+            if "base" in outcome:
+                res.metrics[b] = outcome["base"].steps
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0] if err else "error",
                                       {"traceback": err}))
     ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
                        variants=variants)
-    for name in scn.invariants:
-        inv = INVARIANTS.get(name)
-        try:
-            res.checks.extend(inv.check(ctx))
-        except Exception as e:
-            res.checks.append(CheckResult(name, "*", ERROR, f"the check raised {type(e).__name__}: "
-                                          f"{e}", {"traceback": traceback.format_exc()}))
+    res.checks.extend(policy.checks(scn, ctx))
     res.runs = runs
     if golden_dir is not None:
         refuse = golden_mod.bless_blocker(res) if bless and not force else None
         res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless,
                                                  refuse=refuse)
     if res.state == FAILED:  # only a failure is localised: nothing extra runs otherwise
-        res.localisation = localise.localise_scenario(scn, ctx, res, timeout=timeout)
+        res.localisation = policy.localise(scn, ctx, res)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -25,7 +25,8 @@ from rlaudit.backends.base import Variant
 from rlaudit.data.io import load_rollout
 from rlaudit.verdict.result import FAIL, PASS
 from rlaudit.scenarios.spec import load_scenario, resolve
-from rlaudit.targets.run.runner import _filtered, run_target_scenario
+from rlaudit.scenarios.engine import scenario_rows
+from rlaudit.targets.run.runner import run_target_scenario
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ class F32ToyPerMicroMean(F32Toy):
 
 def _run(adapter, scenario="adv_grpo_std"):
     scn = load_scenario(resolve([scenario], all_=False, root="scenarios")[0])
-    batch, raw = _filtered(load_rollout(scn.rollout), scn)
+    batch, raw = scenario_rows(scn)
     res = run_target_scenario(adapter, scn, batch, invariants=["backend-parity"],
                               unfiltered=raw)
     return next(c for c in res.checks if c.backend == adapter.name)
@@ -124,7 +125,7 @@ def _bf16_dual_clip(monkeypatch, draws):
     monkeypatch.setattr(runner, "attach_noise_floor",
                         lambda *a, **k: (calls.append(k.get("draw", 0)), real(*a, **k))[1])
     scn = load_scenario(resolve(["ppo_dual_clip"], all_=False, root="scenarios")[0])
-    batch, raw = _filtered(load_rollout(scn.rollout), scn)
+    batch, raw = scenario_rows(scn)
     res = run_target_scenario(BF16Toy(), scn, batch, invariants=["backend-parity"],
                               unfiltered=raw)
     return next(c for c in res.checks if c.backend == "toy-bf16"), calls

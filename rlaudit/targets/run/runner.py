@@ -20,22 +20,22 @@ in another fails, one it never logs is listed as not compared.
 from __future__ import annotations
 
 import dataclasses
-import time
 import traceback
 from pathlib import Path
 
 from rlaudit.backends.base import ReplayRequest
 from rlaudit.backends.registry import get_backend
-from rlaudit.data.io import load_rollout, rollout_sha256
-from rlaudit.dicts import flatten, to_dict
+from rlaudit.data.io import rollout_sha256
 from rlaudit.errors import CheckFailed, InputError
 from rlaudit.heap import freeze_long_lived
 from rlaudit.model.load import snapshot_id
+from rlaudit.scenarios import localise
+from rlaudit.scenarios.engine import ScenarioPolicy, run_scenario, scenario_rows
 from rlaudit.scenarios.invariants import CheckContext
 from rlaudit.scenarios.invariants.base import with_overrides
 from rlaudit.scenarios.invariants.parity import ORACLE
 from rlaudit.scenarios.spec import Scenario, load_scenario, resolve
-from rlaudit.scenarios.variants import build_variants, check_sampling_matches
+from rlaudit.scenarios.variants import build_variants
 from rlaudit.targets.contract.adapter import adapter_name, has_stage
 from rlaudit.targets.contract.declare import Declarations, validate
 from rlaudit.targets.contract.load import load_adapter
@@ -47,8 +47,7 @@ from rlaudit.targets.run.noise import attach_noise_floor, with_noise_floor
 from rlaudit.targets.run.parity import apply_differences, check_invariant
 from rlaudit.targets.run.target_backend import TargetBackend
 from rlaudit.targets.stages.suite import run_stage_checks
-from rlaudit.update.step import select_groups
-from rlaudit.verdict.result import ERROR, NA, CheckResult, ScenarioResult
+from rlaudit.verdict.result import NA, CheckResult, ScenarioResult
 
 
 def run_target(target: str | object, scenario_names: list[str] | None = None,
@@ -88,7 +87,7 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
                                                        root=scenarios_dir)]
         # the same rows the scenario engine replays (DAPO group filter applied when enabled),
         # and the unfiltered ones for targets that filter in their own train_step
-        plans += [(s, lambda s=s: _filtered(load_rollout(s.rollout), s)) for s in scenarios]
+        plans += [(s, lambda s=s: scenario_rows(s)) for s in scenarios]
     for scn, rollout in plans:
         if not has_stage(adapter, "train_step"):
             results.append(ScenarioResult(
@@ -102,10 +101,6 @@ def run_target(target: str | object, scenario_names: list[str] | None = None,
     return results
 
 
-def _filtered(raw, scn: Scenario):
-    return select_groups(raw, scn.config)[0], raw
-
-
 def run_target_scenario(adapter: object, scn: Scenario, batch, *,
                         invariants: list[str] | None = None,
                         unfiltered=None) -> ScenarioResult:
@@ -113,64 +108,91 @@ def run_target_scenario(adapter: object, scn: Scenario, batch, *,
     its invariants (or ``invariants``). ``batch``: the rows replayed (after DAPO's group filter
     when the scenario enables it); ``unfiltered``: the rollout before the filter, handed (with
     each variant's rows) to an adapter declaring ``filters_groups``."""
-    t0 = time.perf_counter()
-    target = TargetBackend(adapter)
-    name = target.name
-    scn = declared_scenario(scn, validate(adapter))
-    scn = dataclasses.replace(
-        scn, backends={name: dict(getattr(adapter, "layout", {}) or {}), ORACLE: {}},
-        invariants=list(invariants or scn.invariants))
-    check_sampling_matches(scn, batch)
-    variants = build_variants(scn, batch)
-    decl = validate(adapter)
-    if (decl.filters_groups and unfiltered is not None
-            and scn.config.algorithm.filter_groups.enable):
-        target.inputs, skipped = unfiltered_inputs(variants, unfiltered)
-        target.skipped.update(skipped)
-    res = ScenarioResult(scenario=scn.name, path=str(scn.path), backends=[name, ORACLE],
-                         config=flatten(to_dict(scn.config)), layouts=dict(scn.backends),
-                         dtype=scn.dtype, device=scn.device, tags=[*scn.tags, "target"],
-                         provenance=_provenance(scn, batch, name))
-    ok, why = target.available()
-    if not ok:      # nothing to compare: do not spend time on the reference either
-        res.checks.append(CheckResult("*", name, NA, f"target unavailable: {why}"))
-        res.seconds = time.perf_counter() - t0
-        return res
-    runs = {}
-    freeze_long_lived()   # trainers collect garbage themselves: keep it off the imports
-    for b, backend in ((name, target), (ORACLE, get_backend(ORACLE))):
-        request = ReplayRequest(model=str(scn.model), variants=variants,
-                                ref_model=str(scn.ref_model) if scn.ref_model else None,
-                                layout=scn.backends[b], dtype=scn.dtype, device=scn.device)
-        try:
-            runs[b] = backend.replay(request)
-            if "base" in runs[b]:
-                res.metrics[b] = runs[b]["base"].steps
-        except InputError:
-            raise
-        except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
-            res.errors[b] = f"{type(e).__name__}: {e}"
-        except (Exception, SystemExit) as e:  # a crashing trainer is a finding, with its traceback
-            res.errors[b] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    for b, err in res.errors.items():
-        res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0], {"traceback": err}))
-    ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
-                       variants=variants)
+    return run_scenario(scn, policy=TargetPolicy(adapter, batch, invariants=invariants,
+                                                 unfiltered=unfiltered))
 
-    def checks() -> list[CheckResult]:
-        return [r for inv in scn.invariants for r in apply_differences(
-            check_invariant(inv, ctx, name, adapter, target.skipped), name, decl)]
 
-    found = checks()
-    if decl.noise() and ORACLE in runs:
-        found = with_noise_floor(found, checks, lambda draw: attach_noise_floor(
-            runs, scn, variants, decl.noise(), draw=draw))
-    res.checks.extend(found)
-    res.runs = runs
-    if not res.passed:  # only a failure is localised: nothing extra runs otherwise
-        res.localisation = localise_target(adapter, name, scn, ctx, res)
-    res.seconds = time.perf_counter() - t0
-    return res
+class TargetPolicy(ScenarioPolicy):
+    """The scenario engine's steps against a target: the adapter is the backend under audit and
+    the reference the oracle (the scenario's own backend list is ignored), tolerances and
+    conventions as the target declares (:func:`declared_scenario`), every variant built (one the
+    adapter does not support is n/a for it), declared differences and the noise floor applied to
+    the checks, no goldens."""
+
+    tags = ("target",)
+
+    def __init__(self, adapter: object, batch, *, invariants: list[str] | None = None,
+                 unfiltered=None):
+        super().__init__(timeout=ReplayRequest.timeout)
+        self.adapter, self.batch, self.invariants = adapter, batch, invariants
+        self.unfiltered = unfiltered
+        self.target = TargetBackend(adapter)
+        self.name = self.target.name
+        self.decl: Declarations | None = None
+
+    def prepare(self, scn: Scenario) -> Scenario:
+        self.decl = validate(self.adapter)
+        scn = declared_scenario(scn, self.decl)
+        return dataclasses.replace(
+            scn, backends={self.name: dict(getattr(self.adapter, "layout", {}) or {}),
+                           ORACLE: {}},
+            invariants=list(self.invariants or scn.invariants))
+
+    def rows(self, scn: Scenario):
+        return self.batch
+
+    def plan(self, scn: Scenario) -> tuple[list[str], list[str]]:
+        return [self.name, ORACLE], []
+
+    def variants(self, scn: Scenario, batch) -> list:
+        variants = build_variants(scn, batch)
+        if (self.decl.filters_groups and self.unfiltered is not None
+                and scn.config.algorithm.filter_groups.enable):
+            self.target.inputs, skipped = unfiltered_inputs(variants, self.unfiltered)
+            self.target.skipped.update(skipped)
+        return variants
+
+    def provenance(self, scn: Scenario, batch) -> dict:
+        return {"target": self.name, "model_sha": snapshot_id(scn.model),
+                "rollout_sha": rollout_sha256(batch)}
+
+    def jobs(self, scn, names, variants, res) -> list | None:
+        ok, why = self.target.available()
+        if not ok:      # nothing to compare: do not spend time on the reference either
+            res.checks.append(CheckResult("*", self.name, NA, f"target unavailable: {why}"))
+            return None
+        freeze_long_lived()   # trainers collect garbage themselves: keep it off the imports
+        return [(b, backend, localise.replay_request(scn, variants, b, self.timeout))
+                for b, backend in ((self.name, self.target), (ORACLE, get_backend(ORACLE)))]
+
+    def replay_all(self, jobs: list) -> list:
+        done = []
+        for b, backend, request in jobs:
+            try:
+                done.append((b, backend.replay(request)))
+            except InputError:
+                raise
+            except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
+                done.append((b, f"{type(e).__name__}: {e}"))
+            except (Exception, SystemExit) as e:  # a crashing trainer: a finding, with traceback
+                done.append((b, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return done
+
+    def checks(self, scn: Scenario, ctx: CheckContext) -> list[CheckResult]:
+        def checks() -> list[CheckResult]:
+            return [r for inv in scn.invariants for r in apply_differences(
+                check_invariant(inv, ctx, self.name, self.adapter, self.target.skipped),
+                self.name, self.decl)]
+
+        found = checks()
+        noise = self.decl.noise()
+        if noise and ORACLE in ctx.runs:
+            found = with_noise_floor(found, checks, lambda draw: attach_noise_floor(
+                ctx.runs, scn, ctx.variants, noise, draw=draw))
+        return found
+
+    def localise(self, scn: Scenario, ctx: CheckContext, res: ScenarioResult):
+        return localise_target(self.adapter, self.name, scn, ctx, res)
 
 
 def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:
@@ -184,11 +206,6 @@ def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:
         config = with_overrides(config, **overrides)
     return dataclasses.replace(scn, config=config, tol_floor=decl.run_floor(),
                                tol_overrides={**scn.tol_overrides, **decl.run_overrides()})
-
-
-def _provenance(scn: Scenario, batch, target: str) -> dict:
-    return {"target": target, "model_sha": snapshot_id(scn.model),
-            "rollout_sha": rollout_sha256(batch)}
 
 
 __all__ = ["run_target", "run_target_scenario", "check_invariant"]
