@@ -19,7 +19,7 @@ from rlaudit.verdict.result import CheckResult, DIFFERS, FAIL, NA, PASS
 from rlaudit.verdict.tolerance import Tolerance
 from rlaudit.targets import Difference
 from rlaudit.targets.stages import run_stage_checks
-from rlaudit.targets.contract.declare import STAGE_TOLERANCES, scaled, validate
+from rlaudit.targets.contract.declare import STAGE_TOLERANCES, read_declarations, scaled
 from rlaudit.targets.contract.own_adapters import ReferenceAdapter
 from rlaudit.targets.run.parity import apply_differences
 
@@ -52,7 +52,7 @@ def statuses(adapter, stages):
 def test_bad_declarations_are_input_errors_naming_the_attribute(attrs, key):
     adapter = type("Declared", (ReferenceAdapter,), {"name": "declared", **attrs})()
     with pytest.raises(InputError) as e:
-        validate(adapter)
+        read_declarations(adapter)
     assert e.value.key == key and e.value.exit_code == 2
 
 
@@ -62,7 +62,7 @@ def test_tolerance_derivation_and_overrides():
         stage_precision = {"kl_penalty": "float64"}
         tolerances = {"agg_loss:parity": {"rtol": 0.5}, "actor/grad_norm": {"atol": 1.0}}
         train_precision = "bfloat16"
-    d = validate(A())
+    d = read_declarations(A())
     assert d.stage_tolerance("policy_loss:parity") == STAGE_TOLERANCES["float32"]
     assert d.stage_tolerance("kl_penalty:parity") == STAGE_TOLERANCES["float64"]
     assert d.stage_tolerance("agg_loss:parity") == Tolerance(rtol=0.5, atol=0.0)
@@ -371,7 +371,7 @@ def test_padding_complete_compares_with_the_trainers_own_microbatches():
 # ---- run level -------------------------------------------------------------------------------
 
 def test_run_level_differences_cover_all_problems_or_none():
-    decl = validate(type("R", (ReferenceAdapter,), {"differences": (
+    decl = read_declarations(type("R", (ReferenceAdapter,), {"differences": (
         Difference("loss-type", "TRL's dapo loss", "https://example.org/trl",
                    checks=("backend-parity",), cases=("actor/pg_loss",)),)})())
     one = CheckResult("backend-parity", "t", FAIL, "step 0: actor/pg_loss = 1, expected 2",
@@ -390,14 +390,14 @@ def test_scenario_tolerance_floor_and_overrides():
     from rlaudit.targets.inputs import builtin
     scn = builtin.scenario(builtin.tiny_model_path())
     scn.tolerances = {"actor/entropy": Tolerance(rtol=1e-3, atol=0.0)}
-    decl = validate(type("F", (ReferenceAdapter,), {
+    decl = read_declarations(type("F", (ReferenceAdapter,), {
         "train_precision": "float32", "tolerances": {"params": {"rtol": 0.1, "atol": 0.2}}})())
     s = declared_scenario(scn, decl)
     assert s.tol("actor/pg_loss") == Tolerance(rtol=1e-4, atol=1e-5)     # the float32 floor
     assert s.tol("actor/entropy") == Tolerance(rtol=1e-3, atol=1e-5)    # looser scenario value
     assert s.tol("params") == Tolerance(rtol=0.1, atol=0.2)             # explicit override
     assert scn.tol("actor/pg_loss").rtol < 1e-4                         # the original untouched
-    micro = declared_scenario(scn, validate(type("M", (ReferenceAdapter,), {
+    micro = declared_scenario(scn, read_declarations(type("M", (ReferenceAdapter,), {
         "metric_reduction": "microbatch-mean"})()))
     assert micro.config.trainer.metric_reduction == "microbatch-mean"
     assert scn.config.trainer.metric_reduction == "contribution"
@@ -477,7 +477,7 @@ def test_per_metric_reduction_declaration():
             loss, metrics = super().policy_loss(denominators=denominators, **kw)
             _, local = super().policy_loss(denominators=None, **kw)
             return loss, {**local, "actor/pg_loss": metrics["actor/pg_loss"]}
-    d = validate(Mixed())
+    d = read_declarations(Mixed())
     assert d.metric_mode("actor/pg_loss") == "contribution"
     assert d.metric_mode("actor/ppo_kl") == "microbatch-mean"
     assert d.config_overrides() == {"trainer.metric_reduction": "microbatch-mean",
@@ -487,7 +487,7 @@ def test_per_metric_reduction_declaration():
     every = type("E", (Mixed,), {"metric_reduction": "microbatch-mean"})()
     assert statuses(every, ["policy_loss"])["policy_loss:global-split"].status == FAIL
     with pytest.raises(InputError) as e:
-        validate(type("U", (ReferenceAdapter,), {"metric_reduction": {"actor/nope": "contribution"}})())
+        read_declarations(type("U", (ReferenceAdapter,), {"metric_reduction": {"actor/nope": "contribution"}})())
     assert e.value.key == "metric_reduction"
 
 

@@ -18,7 +18,7 @@ go red: a red that does not mean "broken" makes the audit useless. So an adapter
 - ``filters_groups``: ``train_step`` applies DAPO's group filter itself, so it is handed the
   unfiltered rows of DAPO scenarios (rlaudit/targets/inputs/dynamic_sampling.py).
 
-Every declaration is validated when the adapter is loaded (:func:`validate`): a wrong one is an
+Every declaration is validated when the adapter is loaded (:func:`read_declarations`): a wrong one is an
 input error (exit 2) naming the attribute.
 """
 
@@ -164,7 +164,7 @@ class Difference:
 
 @dataclass
 class Declarations:
-    """An adapter's validated declarations (:func:`validate`)."""
+    """An adapter's validated declarations (:func:`read_declarations`)."""
 
     precision: str = DEFAULT_PRECISION
     train_precision: str = DEFAULT_TRAIN_PRECISION
@@ -287,7 +287,7 @@ def _difference(d: Any, source: str, key: str) -> Difference:
     return d
 
 
-def validate(adapter: object) -> Declarations:
+def read_declarations(adapter: object) -> Declarations:
     """The adapter's declarations, validated (InputError naming the attribute otherwise)."""
     source = adapter_name(adapter)
     precisions = tuple(STAGE_TOLERANCES)

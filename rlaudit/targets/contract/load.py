@@ -12,7 +12,7 @@ import sys
 
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import STAGES, adapter_name, provided_stages
-from rlaudit.targets.contract.declare import validate
+from rlaudit.targets.contract.declare import read_declarations
 from rlaudit.targets.contract.target_errors import TARGET_FAILURES, target_error
 from rlaudit.targets.peers.registry import PEERS, resolve
 
@@ -62,7 +62,7 @@ def load_adapter(spec: str) -> object:
     except TARGET_FAILURES as e:
         raise target_error(f"{attr}()", spec, e) from None
     adapter_name(adapter)  # validates ``name``
-    validate(adapter)      # precision, tolerances, differences: exit 2 before anything runs
+    read_declarations(adapter)      # precision, tolerances, differences: exit 2 before anything runs
     if not provided_stages(adapter):
         raise InputError(f"{spec} provides none of the stages {', '.join(STAGES)} "
                          f"(see docs/targets.md)", key="--target")

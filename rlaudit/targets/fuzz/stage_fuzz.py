@@ -29,7 +29,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from rlaudit.errors import InputError, raise_problems
 from rlaudit.scenarios.validate import HEADER
 from rlaudit.targets.contract.adapter import STAGES, adapter_name, has_stage
-from rlaudit.targets.contract.declare import Declarations, validate
+from rlaudit.targets.contract.declare import Declarations, read_declarations
 from rlaudit.targets.contract.load import load_adapter
 from rlaudit.targets.fuzz.findings import CheckOutcome, Finding, FuzzReport, found_name
 from rlaudit.targets.fuzz.strategies import stage_draws
@@ -119,7 +119,7 @@ def fuzz_target(target: str | object, *, stages: list[str] | None = None,
     spec = target if isinstance(target, str) else f"{type(target).__module__}:" \
                                                   f"{type(target).__qualname__}"
     adapter = load_adapter(target) if isinstance(target, str) else target
-    decl = validate(adapter)
+    decl = read_declarations(adapter)
     name = adapter_name(adapter)
     # a stage that cannot be called as the contract calls it is bad input, not a finding
     raise_problems(adapter_problems(adapter, spec), header=HEADER)

@@ -37,7 +37,7 @@ from rlaudit.scenarios.invariants.parity import ORACLE
 from rlaudit.scenarios.spec import Scenario, load_scenario, resolve
 from rlaudit.scenarios.variants import build_variants
 from rlaudit.targets.contract.adapter import adapter_name, has_stage
-from rlaudit.targets.contract.declare import Declarations, validate
+from rlaudit.targets.contract.declare import Declarations, read_declarations
 from rlaudit.targets.contract.load import load_adapter
 from rlaudit.targets.inputs import builtin
 from rlaudit.targets.inputs.dynamic_sampling import unfiltered_inputs
@@ -131,7 +131,7 @@ class TargetPolicy(ScenarioPolicy):
         self.decl: Declarations | None = None
 
     def prepare(self, scn: Scenario) -> Scenario:
-        self.decl = validate(self.adapter)
+        self.decl = read_declarations(self.adapter)
         scn = declared_scenario(scn, self.decl)
         return dataclasses.replace(
             scn, backends={self.name: dict(getattr(self.adapter, "layout", {}) or {}),

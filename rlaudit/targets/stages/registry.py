@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from rlaudit.targets.contract.adapter import NOT_SUPPORTED, STAGES, adapter_name, supported_names
-from rlaudit.targets.contract.declare import Declarations, scaled, validate
+from rlaudit.targets.contract.declare import Declarations, read_declarations, scaled
 from rlaudit.targets.contract.guard import AdapterRaised, Guard
 from rlaudit.targets.inputs.cases import Case, default_cases
 from rlaudit.verdict.result import DIFFERS, FAIL, NA, PASS, CheckResult
@@ -81,7 +81,7 @@ class StageEnv:
 
     def __post_init__(self):
         if self.decl is None:
-            self.decl = validate(self.adapter)
+            self.decl = read_declarations(self.adapter)
 
     def setting(self, key: str, default):
         """``overrides[key]`` if given, else ``default`` (the check's fixed setting)."""
