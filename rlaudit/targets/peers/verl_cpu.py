@@ -207,8 +207,8 @@ def register_engines() -> None:
         return
     # lazy: importing verl's engines freezes the device name (module docstring): after select()
     from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import (FSDPEngineWithLMHead,
-                                                            FSDPEngineWithValueHead)
+    from verl.workers.engine.fsdp.transformer_impl import (  # lazy: after select(), as above
+        FSDPEngineWithLMHead, FSDPEngineWithValueHead)
     for model_type, cls in (("language_model", FSDPEngineWithLMHead),
                             ("value_model", FSDPEngineWithValueHead)):
         EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"],

@@ -133,8 +133,8 @@ def train_rank(info, request: dict) -> dict:
     verl_cpu.select()
     # lazy: after select() (the trainer resolves verl's platform on import)
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
-    from verl.utils.metric import reduce_metrics
-    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.utils.metric import reduce_metrics  # lazy: verl peer, after select()
+    from verl.workers.engine_workers import ActorRolloutRefWorker  # lazy: after select()
 
     cfg = _verl_config(request["overrides"])
     worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
@@ -167,7 +167,7 @@ def train_rank(info, request: dict) -> dict:
 def _verl_config(overrides: dict[str, Any]):
     # lazy: verl (and omegaconf, from its peer directory) only exist inside a verl rank
     import verl
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: from verl's peer directory
     cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), DEFAULT_CONFIG))
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, force_add=True)

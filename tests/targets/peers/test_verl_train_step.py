@@ -52,13 +52,25 @@ def _config(reduction: str = "contribution"):
                         "trainer": {"dtype": "float32", "metric_reduction": reduction}})
 
 
+def _dp_ordered():
+    """The rollout's rows reordered to [0-3, 8-11, 4-7, 12-15]: verl's dispatch chunks a batch
+    over dp ranks first and each rank then cuts ITS rows into mini-batches, so at dp 2 optimizer
+    step k trains rank 0's k-th half plus rank 1's k-th half (rows 0-3 + 8-11, then 4-7 + 12-15),
+    where dp 1 trains 0-7 then 8-15. In this order dp 1, dp 2 and rlaudit's reference (which
+    cuts mini-batches before sharding) train the same rows at each step. GRPO groups (4
+    consecutive rows) stay whole."""
+    order = torch.cat([torch.arange(0, 4), torch.arange(8, 12), torch.arange(4, 8),
+                       torch.arange(12, 16)])
+    return load_rollout(ROLLOUT).select(order)
+
+
 @pytest.fixture(scope="module")
 def verl_dp1():
-    return train_step(MODEL, load_rollout(ROLLOUT), _config(), dp=1)
+    return train_step(MODEL, _dp_ordered(), _config(), dp=1)
 
 
 def test_verl_fsdp_step_matches_reference(verl_dp1):
-    ref, micro_ref = (ReferenceAdapter().train_step(model_path=MODEL, batch=load_rollout(ROLLOUT),
+    ref, micro_ref = (ReferenceAdapter().train_step(model_path=MODEL, batch=_dp_ordered(),
                                                     config=_config(reduction), steps=1)
                       for reduction in ("contribution", "microbatch-mean"))
     got = verl_dp1["metrics"]
@@ -74,6 +86,7 @@ def test_verl_fsdp_step_matches_reference(verl_dp1):
 
 
 def test_verl_fsdp_step_dp2_equals_dp1(verl_dp1):
+    # the rollout in its own order: at dp 2 verl trains the rows of _dp_ordered's steps
     dp2 = train_step(MODEL, load_rollout(ROLLOUT), _config(), dp=2)
     for key in ("actor/pg_loss", "actor/grad_norm"):
         assert dp2["metrics"][key] == pytest.approx(verl_dp1["metrics"][key], rel=RTOL), key
