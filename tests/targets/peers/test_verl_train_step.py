@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlaudit.config import load_config
 from rlaudit.data.io import load_rollout
@@ -80,6 +81,10 @@ def test_verl_fsdp_step_matches_reference(verl_dp1):
     assert got["actor/pg_loss"] != 0 and got["actor/pg_clipfrac"] > 0   # not a vacuous step
     params = verl_dp1["params"]
     assert set(params) == set(ref.params[0])
+    before = load_file(str(MODEL / "model.safetensors"))
+    moved = max((params[n].reshape(-1) - before[n].reshape(-1).float()).abs().max().item()
+                for n in params)
+    assert moved > 1e-3                              # the optimizer really stepped
     for name, value in ref.params[0].items():
         torch.testing.assert_close(params[name].reshape(-1), value.reshape(-1).float(),
                                    rtol=RTOL, atol=1e-6, msg=name)
