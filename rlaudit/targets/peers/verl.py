@@ -247,7 +247,7 @@ class VerlAdapter(TargetAdapter):
                           max_token_len: int | None = None) -> list[list[dict]]:
         """The dispatcher's DP split, then this version's actor micro-batching per rank (see
         the module docstring); micro-batches are returned as rlaudit-named tensor dicts."""
-        td = _verl_tensors(batch)
+        td = verl_tensors(batch)
         shards = self._proto(td).chunk(dp_size)     # the dispatcher: contiguous equal chunks
         if self.legacy_actor:
             per_rank = [self._legacy_micro(s, micro_batch_size, max_token_len) for s in shards]
@@ -329,7 +329,7 @@ def _policy_cfg(loss_mode: str):
     return PolicyLossConfig(loss_mode=loss_mode)
 
 
-def _verl_tensors(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+def verl_tensors(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     """Every field of ``batch`` plus verl's sequence layout: ``input_ids`` / ``attention_mask``
     ``[B, P + R]`` with the prompt left-padded and the response right-padded (verl's rollout
     output), ``position_ids``, ``responses``."""

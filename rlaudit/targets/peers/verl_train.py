@@ -1,0 +1,243 @@
+"""One real verl >= 0.9 training step on CPU: verl's FSDP actor worker, driven by verl's trainer.
+
+    out = train_step(model_path, batch, cfg, dp=2)      # in rlaudit's own launcher, gloo
+    out["metrics"]["actor/pg_loss"], out["metrics"]["actor/grad_norm"], out["params"]
+
+Each rank (:func:`train_rank`, started by :func:`rlaudit.backends.launch.launch` with the default
+process group already up) selects the CPU platform (``verl_cpu``), builds verl's
+``ActorRolloutRefWorker`` (role ``actor``) from verl's own generated default trainer config plus
+the overrides :func:`verl_overrides` maps from rlaudit's :class:`~rlaudit.config.Config`, runs its
+``init_model`` (FSDP2 engine), and then the post-generation part of ``RayPPOTrainer.fit`` in fit's
+order (verl 0.9.1 trainer/ppo/ray_trainer.py:1586-1690): the trainer's own
+``_compute_old_log_prob``, ``token_level_rewards = token_level_scores`` (no KL in reward),
+``compute_advantage``, the trainer's own ``_update_actor``, and ``reduce_metrics`` as fit reduces
+the actor's output. ``self`` of those trainer methods is a bare ``RayPPOTrainer`` with the config
+and a worker-group stand-in (:class:`LocalWorkerGroup`). Nothing verl computes is re-implemented.
+
+Only what this step maps is accepted (:func:`unsupported`): no KL (loss or reward), no critic, no
+rollout correction, vanilla / gspo / cispo losses, float32.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlaudit.backends.launch import launch
+from rlaudit.config import Config
+from rlaudit.data.batch import RolloutBatch
+from rlaudit.targets.peers.registry import peers_dir
+from rlaudit.targets.peers.verl import verl_tensors
+
+#: verl's own defaults, inside the installed package
+DEFAULT_CONFIG = "trainer/config/_generated_ppo_trainer.yaml"
+#: rlaudit estimator -> (verl estimator, norm_adv_by_std_in_grpo or None = rlaudit's setting)
+ESTIMATORS = {"grpo": ("grpo", None), "drgrpo": ("grpo", False), "rloo": ("rloo", None),
+              "reinforce_plus_plus": ("reinforce_plus_plus", None),
+              "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline", None)}
+OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD"}
+_FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+
+def unsupported(cfg: Config) -> list[str]:
+    """The settings of ``cfg`` this step does not map to verl (empty: it runs)."""
+    a, act = cfg.algorithm, cfg.actor
+    out = []
+    if a.adv_estimator not in ESTIMATORS:
+        out.append(f"algorithm.adv_estimator={a.adv_estimator!r} (critic/GAE not mapped)")
+    if act.use_kl_loss or a.use_kl_in_reward:
+        out.append("KL (actor.use_kl_loss / algorithm.use_kl_in_reward: no reference worker yet)")
+    if act.rollout_correction.rollout_is is not None:
+        out.append("actor.rollout_correction.rollout_is")
+    if act.loss_mode not in ("vanilla", "gspo", "cispo"):
+        out.append(f"actor.loss_mode={act.loss_mode!r}")
+    if cfg.trainer.dtype != "float32":
+        out.append(f"trainer.dtype={cfg.trainer.dtype!r} (verl's FSDP engine: fp32 at most, "
+                   f"verl/utils/torch_dtypes.py:61-69)")
+    if cfg.reward.overlong_buffer.enable:
+        out.append("reward.overlong_buffer")
+    return out
+
+
+def verl_overrides(cfg: Config, *, model_path: str, dp: int) -> dict[str, Any]:
+    """Dotted keys of verl's trainer config -> values: rlaudit's ``cfg`` in verl's names, plus the
+    CPU set (verl_cpu's docstring says why each)."""
+    act, a = cfg.actor, cfg.algorithm
+    estimator, norm = ESTIMATORS[a.adv_estimator]
+    ar, actor = "actor_rollout_ref", "actor_rollout_ref.actor"
+    low = act.clip_ratio if act.clip_ratio_low is None else act.clip_ratio_low
+    high = act.clip_ratio if act.clip_ratio_high is None else act.clip_ratio_high
+    micro = act.ppo_micro_batch_size_per_gpu
+    return {
+        "trainer.device": "cpu", "trainer.n_gpus_per_node": dp, "trainer.nnodes": 1,
+        f"{ar}.model.path": str(model_path),
+        f"{ar}.model.use_remove_padding": True,
+        f"{ar}.model.enable_gradient_checkpointing": False,
+        f"{ar}.model.override_config": {"attn_implementation": "sdpa"},
+        f"{actor}.strategy": "fsdp2", f"{actor}.fsdp_config.strategy": "fsdp2",
+        f"{actor}.fsdp_config.dtype": "float32", f"{actor}.fsdp_config.model_dtype": "fp32",
+        f"{actor}.fsdp_config.mixed_precision": dict(_FP32),
+        f"{actor}.fsdp_config.use_torch_compile": False, f"{actor}.use_torch_compile": False,
+        f"{actor}.ppo_mini_batch_size": act.ppo_mini_batch_size,
+        f"{actor}.ppo_micro_batch_size_per_gpu": micro,
+        f"{actor}.use_dynamic_bsz": act.use_dynamic_bsz,
+        f"{actor}.ppo_max_token_len_per_gpu": act.ppo_max_token_len_per_gpu,
+        f"{actor}.ppo_epochs": act.ppo_epochs, f"{actor}.shuffle": False,
+        f"{actor}.clip_ratio": act.clip_ratio, f"{actor}.clip_ratio_low": low,
+        f"{actor}.clip_ratio_high": high, f"{actor}.clip_ratio_c": act.clip_ratio_c,
+        f"{actor}.loss_agg_mode": act.loss_agg_mode,
+        f"{actor}.loss_scale_factor": act.loss_scale_factor,
+        f"{actor}.policy_loss.loss_mode": act.loss_mode,
+        f"{actor}.entropy_coeff": act.entropy_coeff,
+        f"{actor}.calculate_entropy": act.calculate_entropy,
+        f"{actor}.use_kl_loss": False,
+        f"{actor}.optim.optimizer": OPTIMIZERS[act.optim.name],
+        f"{actor}.optim.lr": act.optim.lr, f"{actor}.optim.weight_decay": act.optim.weight_decay,
+        f"{actor}.optim.betas": list(act.optim.betas),
+        f"{actor}.optim.clip_grad": act.grad_clip,
+        f"{ar}.rollout.n": cfg.rollout.n, f"{ar}.rollout.temperature": cfg.rollout.temperature,
+        f"{ar}.rollout.log_prob_micro_batch_size_per_gpu": micro,
+        "algorithm.adv_estimator": estimator, "algorithm.gamma": a.gamma, "algorithm.lam": a.lam,
+        "algorithm.norm_adv_by_std_in_grpo": a.norm_adv_by_std_in_grpo if norm is None else norm,
+        "algorithm.use_kl_in_reward": False,
+    }
+
+
+def train_step(model_path, batch: RolloutBatch, cfg: Config, *, dp: int = 1,
+               version: str = "0.9.1", params: bool = True, timeout: float = 300.0) -> dict:
+    """One step of verl ``version`` (installed under the peers directory) on ``batch`` over
+    ``dp`` gloo ranks. Returns rank 0's result (:func:`train_rank`)."""
+    bad = unsupported(cfg)
+    if bad:
+        raise NotImplementedError(f"verl train_step does not map: {'; '.join(bad)}")
+    request = {"peer": str(peers_dir() / f"verl-{version}"), "params": params,
+               "overrides": verl_overrides(cfg, model_path=str(model_path), dp=dp),
+               "tensors": verl_tensors(batch)}
+    # env: spawned ranks (never forked from a parent that may have resolved another platform)
+    env = {"VERL_PLATFORM": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    return launch(train_rank, dp, args=(request,), env=env, timeout=timeout)[0]
+
+
+def train_rank(info, request: dict) -> dict:
+    """The rank body (module docstring): returns metrics (verl's names, reduced as fit reduces
+    them), the old log-probs and advantages verl computed, and (rank 0) the parameters after the
+    step by Hugging Face name."""
+    if request["peer"] not in sys.path:
+        sys.path.insert(0, request["peer"])
+    # lazy: verl is an optional peer; the platform must be selected before verl.trainer/workers
+    from rlaudit.targets.peers import verl_cpu
+    verl_cpu.select()
+    # lazy: after select() (the trainer resolves verl's platform on import)
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
+    from verl.utils.metric import reduce_metrics  # lazy: verl peer, after select()
+    from verl.workers.engine_workers import ActorRolloutRefWorker  # lazy: after select()
+
+    cfg = _verl_config(request["overrides"])
+    worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+    worker.init_model()
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer.config = cfg
+    trainer.actor_rollout_wg = LocalWorkerGroup(worker, info.rank, info.world_size)
+    batch = _proto(request["tensors"], cfg)
+    # fit(), ray_trainer.py:1586-1611: old log-probs through the actor worker, entropys dropped
+    old, _mfu = RayPPOTrainer._compute_old_log_prob(trainer, batch)
+    old.batch.pop("entropys")
+    batch = batch.union(old)
+    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]   # fit(), 1643
+    alg = cfg.algorithm
+    batch = compute_advantage(batch, adv_estimator=alg.adv_estimator, gamma=alg.gamma,
+                              lam=alg.lam, num_repeat=cfg.actor_rollout_ref.rollout.n,
+                              norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg)
+    out = RayPPOTrainer._update_actor(trainer, batch)
+    raw = out.meta_info["metrics"]
+    result = {"metrics": {k: float(v) for k, v in reduce_metrics(raw).items()},
+              "raw_metrics": {k: _plain(v) for k, v in raw.items()},
+              "old_log_probs": batch.batch["old_log_probs"].detach().clone(),
+              "advantages": batch.batch["advantages"].detach().clone()}
+    params = full_params(worker.actor.engine.module) if request["params"] else None
+    if info.rank == 0:
+        result["params"] = params
+    return result
+
+
+def _verl_config(overrides: dict[str, Any]):
+    # lazy: verl (and omegaconf, from its peer directory) only exist inside a verl rank
+    import verl
+    from omegaconf import OmegaConf  # lazy: from verl's peer directory
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), DEFAULT_CONFIG))
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def _proto(tensors: dict[str, torch.Tensor], cfg):
+    """rlaudit's batch as verl's rollout hands it to the trainer: verl's layout (verl_tensors),
+    int64 response mask, the score on the last response token, string uids."""
+    # lazy: verl is an optional peer
+    from verl import DataProto
+    mask = tensors["response_mask"]
+    last = (tensors["response_lengths"] - 1).clamp(min=0)
+    scores = torch.zeros(mask.shape, dtype=torch.float32)
+    scores.scatter_(1, last.unsqueeze(1), tensors["scores"].float().unsqueeze(1))
+    keep = ("input_ids", "attention_mask", "position_ids", "responses")
+    data = {k: tensors[k] for k in keep}
+    data.update(prompts=tensors["input_ids"][:, :tensors["prompt_ids"].shape[1]],
+                response_mask=mask.to(torch.int64), token_level_scores=scores)
+    uid = np.array([str(int(u)) for u in tensors["uid"]], dtype=object)
+    proto = DataProto.from_dict(tensors=data, non_tensors={"uid": uid})
+    # as fit() sets them (ray_trainer.py:1479,1553): the log-prob path reads both
+    proto.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
+    proto.meta_info["global_token_num"] = data["attention_mask"].sum(-1).tolist()
+    return proto
+
+
+class LocalWorkerGroup:
+    """The Ray worker group as seen from one rank: rank r gets chunk r of the batch (verl's
+    dispatch: equal contiguous chunks over the dp mesh) and the collected output is every rank's,
+    concatenated in rank order (all_gather_object)."""
+
+    def __init__(self, worker, rank: int, world: int):
+        self.worker, self.rank, self.world = worker, rank, world
+
+    def _chunk(self, td):
+        # lazy: verl is an optional peer
+        from verl.utils import tensordict_utils as tu
+        return tu.chunk_tensordict(td, self.world)[self.rank] if self.world > 1 else td
+
+    def compute_log_prob(self, td):
+        # lazy: verl is an optional peer
+        from verl.utils import tensordict_utils as tu
+        out = self.worker.compute_log_prob(self._chunk(td))
+        if self.world == 1:
+            return out
+        outs = [None] * self.world
+        torch.distributed.all_gather_object(outs, out)
+        metrics = tu.get(outs[0], "metrics")
+        cat = tu.concat_tensordict([o.select(*[k for k in o.keys() if k != "metrics"])
+                                    for o in outs])
+        tu.assign_non_tensor(cat, metrics=metrics)
+        return cat
+
+    def update_actor(self, td):
+        # the metrics are all-gathered over dp inside the worker: rank 0's output is the result
+        return self.worker.update_actor(self._chunk(td))
+
+
+def full_params(module) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded (FSDP2 DTensor -> full_tensor), by its Hugging Face name.
+    Collective: every rank calls it."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
+        out[name] = t.detach().clone()
+    return out
+
+
+def _plain(value):
+    if isinstance(value, (list, tuple)):
+        return [float(v) for v in value]
+    return float(value)
