@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -126,8 +127,14 @@ def train_rank(info, request: dict) -> dict:
     """The rank body (module docstring): returns metrics (verl's names, reduced as fit reduces
     them), the old log-probs and advantages verl computed, and (rank 0) the parameters after the
     step by Hugging Face name."""
-    if request["peer"] not in sys.path:
-        sys.path.insert(0, request["peer"])
+    peer = request["peer"]
+    # a rank spawned from a process that activated other peers (a test session that ran TRL's or
+    # SkyRL's adapter) inherits their directories on sys.path, and verl imports trl whenever one is
+    # importable (models/transformers/monkey_patch.py:352): this rank sees verl's directory alone,
+    # as a verl install would
+    sys.path[:] = [p for p in sys.path if p == peer or Path(p).parent != Path(peer).parent]
+    if peer not in sys.path:
+        sys.path.insert(0, peer)
     # lazy: verl is an optional peer; the platform must be selected before verl.trainer/workers
     from rlaudit.targets.peers import verl_cpu
     verl_cpu.select()
