@@ -58,6 +58,19 @@ def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
+#: the first release whose log-probs come from TRL's fused LM head (its log-sum-exp accumulates
+#: in float32 whatever the model dtype); before it, log_softmax of the model's own-dtype logits
+FUSED_LOGPROBS_SINCE = (1, 15)
+
+
+def train_precision_of(version: str) -> str:
+    """The precision TRL ``version`` trains in: compared as numbers (as text, "1.2" would sort
+    after "1.15" and 1.2-1.9 would be held to float32's looser tolerance)."""
+    major_minor = tuple(int("".join(c for c in part if c.isdigit()) or 0)
+                        for part in version.split(".")[:2])
+    return "float32" if major_minor >= FUSED_LOGPROBS_SINCE else "hf-float64"
+
+
 # ---- metric mapping -------------------------------------------------------------------------
 
 def metric_map(config) -> dict[str, str]:
@@ -248,9 +261,7 @@ class TRLAdapter(TargetAdapter):
         if minor not in SUPPORTED:
             warnings.warn(f"TRL {self.version} is not a version this adapter was checked "
                           f"against ({', '.join(SUPPORTED)}); results may be n/a or differ")
-        # 1.15+: log-probs from TRL's fused LM head, whose log-sum-exp accumulates in float32
-        # whatever the model dtype; before: log_softmax of the model's own-dtype logits
-        self.train_precision = "float32" if minor >= "1.15" else "hf-float64"
+        self.train_precision = train_precision_of(self.version)
         self.differences = declared_differences(self.version)
 
     def supports(self, config):
