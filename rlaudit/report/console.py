@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlaudit.report.localise_view import console_lines
-from rlaudit.verdict.result import PASSED, STATES, STATUS_ORDER, ScenarioResult
+from rlaudit.verdict.result import NOTHING_APPLIED, PASSED, STATES, STATUS_ORDER, ScenarioResult
 
 SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR", "differs": "differs"}
 GOLDEN_SYMBOL = {"pass": "pass", "fail": "FAIL", "stale": "STALE", "no golden": "no golden",
@@ -78,6 +78,9 @@ def render_summary(results: list[ScenarioResult]) -> str:
     others = [s for s in STATES if s != PASSED and any(r.state == s for r in results)]
     counts = ", ".join(f"{sum(r.state == s for r in results)} {s}" for s in others)
     lines = [f"{passed}/{len(results)} scenarios passed" + (f" ({counts})" if counts else "")]
+    if results and all(r.state == NOTHING_APPLIED for r in results):
+        lines.append("nothing was checked: every check of every scenario was n/a (the target "
+                     "supports none of what they exercise); exit 1")
     for r in results:
         if not r.passed:
             lines.append(f"  {r.state.upper()} {r.scenario}")

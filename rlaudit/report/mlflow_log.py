@@ -52,7 +52,7 @@ from rlaudit.report.mlflow_content import (INVOCATION, KIND_TAG, MAX_TAG_VALUE, 
                                            sanitize_key, token_diffs, write_frame)
 from rlaudit.report.mlflow_guard import BudgetedClient, RetryBudget, open_store_lock, ping
 from rlaudit.report.redact import redact
-from rlaudit.verdict.result import INTERRUPTED, ScenarioResult
+from rlaudit.verdict.result import INTERRUPTED, NOTHING_APPLIED, ScenarioResult
 
 EMBEDDED_DB = "mlflow.db"
 EMBEDDED_ARTIFACTS = "mlartifacts"
@@ -190,6 +190,14 @@ def _log_batch(client, run_id: str, *, metrics=(), params=None, tags=None) -> No
             client.log_batch(run_id, **({"params": chunk} if kind is Param else {"tags": chunk}))
 
 
+def invocation_passed(results: list[ScenarioResult], interrupted=()) -> bool:
+    """As the exit code has it: not interrupted, every scenario passed or had nothing apply
+    ("n/a", counted apart), and at least one passed (a run where nothing applied verified
+    nothing)."""
+    return (not interrupted and any(r.passed for r in results)
+            and all(r.passed or r.state == NOTHING_APPLIED for r in results))
+
+
 def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
          report_files: list[Path] | None, interrupted: list[str] = ()) -> None:
     prog.stage = "creating the parent run"
@@ -197,8 +205,7 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
     states = [f"{r.scenario}={r.state}" for r in results] + [f"{n}={INTERRUPTED}"
                                                             for n in interrupted]
     parent_tags = {**extra_tags, KIND_TAG: INVOCATION,
-                   "rlaudit.passed": str(bool(results) and not interrupted
-                                         and all(r.passed for r in results)).lower(),
+                   "rlaudit.passed": str(invocation_passed(results, interrupted)).lower(),
                    "rlaudit.interrupted": str(bool(interrupted)).lower(),
                    "rlaudit.states": ",".join(states)[:MAX_TAG_VALUE],
                    "rlaudit.scenarios": ",".join(r.scenario for r in results)[:MAX_TAG_VALUE]}

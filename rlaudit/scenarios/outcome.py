@@ -7,7 +7,9 @@ result (the others still run, and everything finished is reported), and one exit
 Exit codes (rlaudit.errors): 2 when any scenario met bad input (found late, while it ran: the
 validation pass catches what it can before anything runs), else 1 when any scenario failed (an
 invariant, a golden mismatch or a stale golden, a crashed backend, a refused bless) or was blessed,
-or -- with ``require_golden`` -- has no golden to compare against, else 0.
+or -- with ``require_golden`` -- has no golden to compare against, else 0. A scenario where
+nothing applied ("n/a") is neither: counted apart, and a run where nothing applied anywhere exits 1
+(it verified nothing).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import traceback
 
 from rlaudit.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK, InputError
 from rlaudit.scenarios import engine
-from rlaudit.verdict.result import (BAD_INPUT, ERROR, NO_GOLDEN_STATE, PASSED, CheckResult,
-                                    ScenarioResult)
+from rlaudit.verdict.result import (BAD_INPUT, ERROR, NO_GOLDEN_STATE, NOTHING_APPLIED, PASSED,
+                                    CheckResult, ScenarioResult)
 
 #: the pseudo-invariant under which a scenario's own failure is tabled
 SCENARIO_CHECK = "scenario"
@@ -57,5 +59,6 @@ def exit_code(results: list[ScenarioResult], *, require_golden: bool = False) ->
     states = {r.state for r in results}
     if BAD_INPUT in states:
         return EXIT_BAD_INPUT
-    ok = {PASSED} | (set() if require_golden else {NO_GOLDEN_STATE})
-    return EXIT_OK if results and states <= ok else EXIT_CHECK_FAILED
+    ok = {PASSED, NOTHING_APPLIED} | (set() if require_golden else {NO_GOLDEN_STATE})
+    # a run where nothing applied anywhere verified nothing: never a green
+    return EXIT_OK if states <= ok and states - {NOTHING_APPLIED} else EXIT_CHECK_FAILED

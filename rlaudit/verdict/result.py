@@ -20,10 +20,12 @@ GOLDEN_PASS, GOLDEN_FAIL, STALE, NO_GOLDEN, BLESSED, REFUSED = (
 #: scenario states (ScenarioResult.state), worst first. "bad input": an input problem found only
 #: while the scenario ran (its own result; the other scenarios still run); "no golden": every
 #: check passed but some backend has nothing to compare against (a failure with
-#: --require-golden); "blessed": goldens were (re)written by this run (never a pass)
-BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, PASSED = (
-    "bad input", "failed", "blessed", "no golden", "passed")
-STATES = (BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, PASSED)
+#: --require-golden); "blessed": goldens were (re)written by this run (never a pass); "n/a":
+#: nothing applied -- every check n/a and no golden compared (a target that supports none of
+#: what the scenario exercises): not a pass, counted apart
+BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, NOTHING_APPLIED, PASSED = (
+    "bad input", "failed", "blessed", "no golden", "n/a", "passed")
+STATES = (BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, NOTHING_APPLIED, PASSED)
 #: a scenario a Ctrl-C stopped before it finished: no result of its own, named in the
 #: invocation's MLflow record so that an interrupted run is never recorded as passed
 INTERRUPTED = "interrupted"
@@ -101,6 +103,8 @@ class ScenarioResult:
             return BLESSED_STATE
         if NO_GOLDEN in golden:
             return NO_GOLDEN_STATE
+        if not golden and all(c.status == NA for c in self.checks):
+            return NOTHING_APPLIED
         return PASSED
 
     @property

@@ -95,6 +95,9 @@ def test_exit_code_of_an_invocation():
             r.golden = [GoldenResult("reference", "no golden")]
         elif state == FAILED:
             r.errors = {"reference": "crash"}
+        else:  # a pass is a check that applied and passed (nothing applied is "n/a")
+            from rlaudit.verdict.result import PASS, CheckResult
+            r.checks = [CheckResult("backend-parity", "reference", PASS)]
         return r
     ok, none, failed, bad = (with_state(s) for s in ("passed", NO_GOLDEN_STATE, FAILED,
                                                       BAD_INPUT))
