@@ -115,6 +115,10 @@ def _imports_of(package: Path) -> list[Import]:
                 base = _resolve(mod, path, node)
                 targets = [(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base, (a.name,))
                            for a in node.names]
+                if any(t != base for t, _ in targets) and base in mods:
+                    # ``from pkg import sub`` runs pkg's face first: a face that imports this
+                    # module back makes a circle, which ``import pkg.sub as sub`` does not
+                    targets.append((base, ()))
             for name, names in targets:
                 target = _known(name, mods) if name.startswith("rlaudit") else None
                 out.append(Import(mod, target or name, names, node.lineno, id(node) in in_func,

@@ -40,6 +40,17 @@ def scenario_dict(**over) -> dict:
     return d
 
 
+def scenario_with_config(key: str, value) -> dict:
+    """The valid scenario with ``config.<key>`` (dotted) set to ``value``."""
+    d = scenario_dict()
+    node = d["config"]
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return d
+
+
 def write_scenario(path: Path, data: dict | None = None, **over) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data if data is not None else scenario_dict(**over)))

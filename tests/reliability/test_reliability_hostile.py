@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from reltools import MODEL, REPO, base_tensors, scenario_dict, write_rollout, write_scenario
+from reltools import (MODEL, REPO, base_tensors, scenario_dict, scenario_with_config, write_rollout,
+                      write_scenario)
 
 from rlaudit.data.io import load_rollout
 from rlaudit.errors import InputError
@@ -79,21 +80,11 @@ CONFIG_CASES = [
 ]
 
 
-def _config(key: str, value) -> dict:
-    d = scenario_dict()
-    node = d["config"]
-    *parents, leaf = key.split(".")
-    for p in parents:
-        node = node.setdefault(p, {})
-    node[leaf] = value
-    return d
-
-
 @pytest.mark.parametrize("key,value,named", CONFIG_CASES,
                          ids=[f"{k}={v!r}" for k, v, _ in CONFIG_CASES])
 def test_config_value_outside_its_meaning_is_bad_input(tmp_path, key, value, named):
     path = tmp_path / "scn.yaml"
-    _raises_named(lambda: scenario_from_dict(_config(key, value), path=path), path,
+    _raises_named(lambda: scenario_from_dict(scenario_with_config(key, value), path=path), path,
                   f"config.{named or key}", "expected")
 
 
@@ -278,7 +269,8 @@ OPTION_CASES = [
     ("report-out-under-a-file",
      lambda t: (["report", "--out", _file(t) / "x.html", "--report-dir", t], {}), "--out"),
     ("run-nan-learning-rate",
-     lambda t: (["run", write_scenario(t / "scn.yaml", _config("actor.optim.lr", NAN)),
+     lambda t: (["run", write_scenario(t / "scn.yaml",
+                                       scenario_with_config("actor.optim.lr", NAN)),
                  "--no-mlflow", "--report-dir", t / "reports"], {}),
      ("scn.yaml", "config.actor.optim.lr")),
     ("report-truncated-sqlite-store", lambda t: (["report", "--report-dir", _truncated_store(t)],

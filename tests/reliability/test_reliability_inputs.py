@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reltools import (MODEL, ROLLOUT, assert_named, base_tensors, scenario_dict, write_rollout,
-                      write_scenario)
+from reltools import (MODEL, ROLLOUT, assert_named, base_tensors, scenario_dict,
+                      scenario_with_config, write_rollout, write_scenario)
 
 
 def _copy_rollout(tmp: Path) -> Path:
@@ -47,16 +47,6 @@ def _scn_data(data):
         scn = write_scenario(tmp / "scn.yaml", data)
         return scn, scn
     return make
-
-
-def _config(path: str, value):
-    d = scenario_dict()
-    node = d["config"]
-    *parents, leaf = path.split(".")
-    for p in parents:
-        node = node.setdefault(p, {})
-    node[leaf] = value
-    return d
 
 
 def _yaml_text(text):
@@ -119,10 +109,10 @@ def _mask_past_length(t):
 ALREADY_HELD = [
     ("malformed-yaml", _yaml_text("model: [unclosed\n"), None, "not valid YAML"),
     ("unknown-top-key", _scn_key(backend={}), "backend", "unknown key"),
-    ("unknown-config-key", _scn_data(_config("actor.entropy_coef", 0.1)),
+    ("unknown-config-key", _scn_data(scenario_with_config("actor.entropy_coef", 0.1)),
      "config.actor.entropy_coef", "unknown key"),
     ("wrong-type-steps", _scn_key(steps="two"), "steps", "integer"),
-    ("wrong-type-config", _scn_data(_config("actor.optim.lr", "fast")),
+    ("wrong-type-config", _scn_data(scenario_with_config("actor.optim.lr", "fast")),
      "config.actor.optim.lr", "expected"),
     ("unknown-invariant", _scn_key(invariants=["sanity-bound"]), "invariants[0]", "sanity-bounds"),
     ("unknown-layout-key", _scn_key(backends={"reference": {}, "fsdp": {"tp": 2}}),
@@ -137,7 +127,7 @@ ALREADY_HELD = [
     ("mis-shaped-mask", _tensors(_mask_shape), "response_mask", "expected shape"),
     ("missing-field", _tensors(_no_uid), "uid", "required field is missing"),
     ("mask-past-length", _tensors(_mask_past_length), "response_mask", "past response_lengths"),
-    ("temperature-mismatch", _scn_data(_config("rollout.temperature", 0.7)),
+    ("temperature-mismatch", _scn_data(scenario_with_config("rollout.temperature", 0.7)),
      "config.rollout.temperature", "sampled at temperature 1.0"),
 ]
 

@@ -84,7 +84,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from rlaudit.backends.launch import rank_group, rendezvous, start
+# the modules by their own names, not through this package's face (which imports this module):
+# STARTUP_TIMEOUT_S and friends are read at call time, so tests may set them
+import rlaudit.backends.launch.rank_group as rank_group
+import rlaudit.backends.launch.rendezvous as rendezvous
+import rlaudit.backends.launch.start as start
 from rlaudit.backends.launch.common import MASTER_ADDR, RankSpec, scratch_dir
 from rlaudit.backends.launch.outcomes import failure_message, order_outcomes, teardown_note
 from rlaudit.backends.launch.rank_group import RankGroup

@@ -63,6 +63,19 @@ class Case:
                        tensors={k: v[idx].clone() for k, v in self.tensors.items()})
 
 
+def response_mask(lengths: list[int], width: int, holes: dict | None = None,
+                  all_masked=()) -> torch.Tensor:
+    """``[B, width]`` bool: row i valid on its first ``lengths[i]`` columns, then ``holes`` (row ->
+    columns) and every column of the ``all_masked`` rows set False."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
+    for row, cols in (holes or {}).items():
+        mask[row, cols] = False
+    for row in all_masked:
+        mask[row] = False
+    return mask
+
+
 def _build(name: str, group_sizes: list[int], uids: list[int], lengths: list[int], width: int,
            *, holes: dict[int, list[int]] | None = None, all_masked: tuple[int, ...] = (),
            equal_scores: bool = False, seed: int = 0) -> Case:
@@ -76,11 +89,7 @@ def _build(name: str, group_sizes: list[int], uids: list[int], lengths: list[int
     group_of_row = group_of_row[order]
     uid = torch.tensor(uids, dtype=torch.int64)[group_of_row]
     lens = torch.tensor(lengths, dtype=torch.int64)
-    mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
-    for row, cols in (holes or {}).items():
-        mask[row, cols] = False
-    for row in all_masked:
-        mask[row] = False
+    mask = response_mask(lengths, width, holes, all_masked)
 
     def rand(low, high):
         return low + (high - low) * torch.rand(b, width, generator=g, dtype=torch.float64)

@@ -32,6 +32,7 @@ import torch
 from rlaudit.algo.dapo import filter_groups
 from rlaudit.data.batch import Kind, RolloutBatch
 from rlaudit.targets.contract.guard import AdapterRaised
+from rlaudit.targets.inputs.cases import response_mask
 from rlaudit.targets.stages.common import row_key, same_mask
 from rlaudit.targets.stages.registry import StageEnv, Tally, attempt, stage_check
 from rlaudit.verdict.result import CheckResult
@@ -106,12 +107,7 @@ def _input(name: str, groups: list[list[float]], uids: list[int], lengths: list[
     flat = [(gi, m) for gi, vals in enumerate(groups) for m in vals]
     order = torch.randperm(len(flat), generator=g).tolist()
     flat = [flat[i] for i in order]
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
-    for row, cols in (holes or {}).items():
-        mask[row, cols] = False
-    for row in all_masked:
-        mask[row] = False
+    mask = response_mask(lengths, width, holes, all_masked)
     prompt_lengths = torch.randint(1, 5, (len(flat),), generator=g).tolist()
     batch = recognisable_batch(group_of_row=[gi for gi, _ in flat], uids=uids,
                                prompt_lengths=prompt_lengths, response_lengths=lengths,

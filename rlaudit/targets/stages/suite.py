@@ -9,14 +9,13 @@ import traceback
 
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import STAGES, has_stage
-from rlaudit.targets.stages import (advantage, agg, batch, filter,  # noqa: F401  (register
-                                    identity, loss, mutation)        # their checks)
 from rlaudit.targets.stages.registry import STAGE_CHECKS, StageCheck, StageEnv
 from rlaudit.verdict.result import ERROR, NA, CheckResult, ScenarioResult
 
 
 def stage_checks() -> dict[str, StageCheck]:
-    """Every registered stage check, by name (this module imports every family first)."""
+    """Every registered stage check, by name (importing this module runs the package face,
+    which imports every family first)."""
     return STAGE_CHECKS
 
 
