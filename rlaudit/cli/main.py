@@ -102,7 +102,8 @@ def leave(code: int) -> None:
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
     if shutdown is None or run_exitfuncs is None:
         sys.exit(code)
-    shutdown()
+    if code != EXIT_INTERRUPTED:  # after a Ctrl-C, no wait for a stopped replay's thread
+        shutdown()
     run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -154,24 +154,49 @@ def _run(args) -> int:
                             print(render_result(res), flush=True)
                             print(flush=True)
                     _plots_now(res, plots)
-        except KeyboardInterrupt:  # what finished is still reported and logged
+        except KeyboardInterrupt:  # the executor stopped its replays on the way out
             print(f"rlaudit: interrupted after {len(results)} of {len(scenarios)} scenario(s); "
                   "reporting those", file=sys.stderr, flush=True)
             finished = {r.scenario for r in results}
-            _report(results, args, plots,
-                    interrupted=[s.name for s in scenarios if s.name not in finished])
+            stopped = [interrupted_result(s, backends) for s in scenarios
+                       if s.name not in finished]
+            # what finished is still reported and logged; the rest is "interrupted", never
+            # passed (MLflow: the invocation KILLED)
+            _report(results, args, plots, interrupted=[r.scenario for r in stopped],
+                    shown=results + stopped)
+            _print_results(results + stopped, args, rendered=len(results))
             return EXIT_INTERRUPTED
     _report(results, args, plots)
-    if args.json:
-        json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
-        print()
-    else:
-        # lazy: report and MLflow modules: kept out of CLI start-up
-        from rlaudit.report.console import render_summary
-        print(render_summary(results))
+    _print_results(results, args, rendered=len(results))
     # lazy: torch and the engine: kept out of CLI start-up
     from rlaudit.scenarios.outcome import exit_code
     return exit_code(results, require_golden=args.require_golden)
+
+
+def interrupted_result(scn, backends: list[str] | None):
+    """The result of a scenario a Ctrl-C stopped: state "interrupted", nothing else known."""
+    from rlaudit.verdict.result import ScenarioResult  # lazy: with the engine, after validation
+
+    names = [b for b in (backends or list(scn.backends)) if b in scn.backends or b == "reference"]
+    return ScenarioResult(scenario=scn.name, path=str(scn.path), backends=names,
+                          layouts={b: dict(scn.backends.get(b, {})) for b in names},
+                          dtype=scn.dtype, device=scn.device, tags=list(scn.tags),
+                          interrupted=True)
+
+
+def _print_results(results, args, *, rendered: int) -> None:
+    """The JSON of ``results`` (``--json``), or the tables of those past the first
+    ``rendered`` (printed as they came) and the summary."""
+    if args.json:
+        json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
+        print()
+        return
+    # lazy: report and MLflow modules: kept out of CLI start-up
+    from rlaudit.report.console import render_result, render_summary
+    for res in results[rendered:]:
+        print(render_result(res), flush=True)
+        print(flush=True)
+    print(render_summary(results))
 
 
 def target_scope_note(scenarios: list[str] | None, all_: bool) -> str | None:
@@ -243,10 +268,12 @@ def _plots_now(res, plots: dict) -> None:
         pass
 
 
-def _report(results, args, plots: dict | None = None, interrupted: list[str] | None = None) -> None:
+def _report(results, args, plots: dict | None = None, interrupted: list[str] | None = None,
+            shown: list | None = None) -> None:
     """Local report and MLflow logging; neither may lose the audit result if it fails.
     ``plots``: the report's plots rendered already (_plots_now); ``interrupted``: the scenarios
-    a Ctrl-C stopped (MLflow: the invocation KILLED, not passed)."""
+    a Ctrl-C stopped (MLflow: the invocation KILLED, not passed); ``shown``: what the local
+    report lists (default ``results``: with a Ctrl-C, the stopped scenarios too)."""
     # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.warm import wait_for_warm_imports
 
@@ -256,7 +283,7 @@ def _report(results, args, plots: dict | None = None, interrupted: list[str] | N
     try:
         # lazy: report and MLflow modules: kept out of CLI start-up
         from rlaudit.report.run_report import write_run_report
-        paths = write_run_report(results, report_dir, plots)
+        paths = write_run_report(results if shown is None else shown, report_dir, plots)
         print(f"report: {paths[0]}", file=sys.stderr)
     except ImportError:
         pass

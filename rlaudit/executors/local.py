@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import threading
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -13,8 +13,10 @@ import torch
 from rlaudit import switches
 from rlaudit.backends.launch import placement
 from rlaudit.backends.launch.pool import active
+from rlaudit.errors import RlauditError
 from rlaudit.executors.planning import groups_in_flight, needed_pools, reference_pooled
 from rlaudit.executors.progress import Progress
+from rlaudit.executors.stop import Stopped, Stoppers
 from rlaudit.quiet import quiet_loggers
 from rlaudit.scenarios.engine import planned_backends
 
@@ -67,6 +69,8 @@ class LocalExecutor:
         #: reference_pooled), and whether when_idle comes at the first of those replays
         self._pooled_reference: set[int] = set()
         self._idle_early = False
+        self._stoppers = Stoppers()
+        self._interrupted = False
 
     def __enter__(self) -> "LocalExecutor":
         warm = active()
@@ -87,42 +91,79 @@ class LocalExecutor:
         quiet_loggers()  # torch's own log handler: its warnings go to the run's log file
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:  # a Ctrl-C (or a crash): no replay left running here
+            self.interrupt()
         self.progress.close()
+
+    def interrupt(self) -> None:
+        """Stop every replay still running (in this process, or waited for on a warm pool's
+        ranks, which are killed) and wait a bounded while for them to unwind
+        (rlaudit/executors/stop.py). What a Ctrl-C does; idempotent."""
+        self._interrupted = True
+        self._stoppers.stop()
+        self._stoppers.wait_idle()
 
     def map(self, scenarios, run_one: Callable) -> Iterator[tuple]:
         if self.jobs == 1:
             for scn in scenarios:
                 yield scn, run_one(scn, self._replayer(scn))
             return
-        with concurrent.futures.ThreadPoolExecutor(self.jobs,
-                                                   thread_name_prefix="rlaudit-job") as threads:
-            futures = [threads.submit(run_one, scn, self._replayer(scn))
-                       for scn in scenarios]
-            try:
-                for scn, future in zip(scenarios, futures):
-                    yield scn, future.result()
-            finally:
-                for f in futures:
-                    f.cancel()
+        # not a `with` block: leaving it would wait for every running replay (a Ctrl-C's wait)
+        threads = concurrent.futures.ThreadPoolExecutor(self.jobs,
+                                                        thread_name_prefix="rlaudit-job")
+        try:
+            futures = [threads.submit(run_one, scn, self._replayer(scn)) for scn in scenarios]
+            for scn, future in zip(scenarios, futures):
+                yield scn, future.result()
+        finally:
+            threads.shutdown(wait=False, cancel_futures=True)
 
     def _replayer(self, scn):
         def replay(backend, request):
+            if self._interrupted:
+                raise Stopped
             reference = backend.name == "reference"
             pooled = reference and id(scn) in self._pooled_reference
             if pooled and self._idle_early:
                 self._idle()  # this process has no replay of its own: only ranks to wait for
-            with self._in_process if reference and not pooled else contextlib.nullcontext():
-                self.progress.start(scn.name, backend.name)
-                try:
-                    if pooled:
-                        return backend.replay_in_pool(request, threads=switches.threads())
-                    return backend.replay(request)
-                finally:
-                    self.progress.finish(scn.name, backend.name)
+            # the scenario's time left (the engine gives each request what remains of
+            # --timeout): ranks are bounded by it, a replay in this process by a timer
+            deadline = time.monotonic() + request.timeout
+            timer = threading.Timer(request.timeout, self._stoppers.stop, args=(scn.name,))
+            timer.daemon = True
+            timer.start()
+            try:
+                with self._stoppers.running(scn.name):
                     if reference and not pooled:
-                        self._idle()
+                        return self._replay_here(scn, backend, request, deadline)
+                    return self._replay_timed(scn, backend, request, pooled)
+            except Stopped:
+                if self._interrupted:
+                    raise
+                raise RlauditError(over_time(scn.name, self._timeout)) from None
+            finally:
+                timer.cancel()
         return replay
+
+    def _replay_here(self, scn, backend, request, deadline: float):
+        """The reference replay in this process: one at a time (each seeds the process RNG)."""
+        if not self._in_process.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise Stopped  # another scenario's replay held this process past the deadline
+        try:
+            return self._replay_timed(scn, backend, request, pooled=False)
+        finally:
+            self._in_process.release()
+            self._idle()
+
+    def _replay_timed(self, scn, backend, request, pooled: bool):
+        self.progress.start(scn.name, backend.name)
+        try:
+            if pooled:
+                return backend.replay_in_pool(request, threads=switches.threads())
+            return backend.replay(request)
+        finally:
+            self.progress.finish(scn.name, backend.name)
 
     def _idle(self) -> None:
         """``when_idle``, the first time only."""
@@ -130,3 +171,9 @@ class LocalExecutor:
             idle, self._when_idle = self._when_idle, None
         if idle is not None:
             idle()
+
+
+def over_time(scenario: str, limit: float) -> str:
+    """The message of a replay stopped at its scenario's time limit."""
+    return (f"scenario {scenario}: stopped at its time limit of {limit:g} s (--timeout); "
+            "its replays did not finish")

@@ -39,6 +39,7 @@ from rlaudit.errors import InputError
 from rlaudit.executors.progress import Progress
 from rlaudit.executors.ray_address import probe_ray_address
 from rlaudit.executors.ray_loopback import init_local_cluster
+from rlaudit.executors.stop import Stopped, Stoppers
 from rlaudit.executors.ray_ranks import RayPoolSet
 from rlaudit.quiet import quiet_loggers
 
@@ -60,6 +61,8 @@ class RayExecutor:
         self.pools = None
         self._started_ray = False
         self._threads = None
+        self._stoppers = Stoppers()
+        self._interrupted = False
 
     def __enter__(self) -> "RayExecutor":
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -93,9 +96,13 @@ class RayExecutor:
         self.progress.parallel = max(1, int(room // 2))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         import ray  # lazy: optional (only --executor ray needs it)
 
+        if exc_type is not None:  # a Ctrl-C: stop waiting for the groups (killed below)
+            self._interrupted = True
+            self._stoppers.stop()
+            self._stoppers.wait_idle()
         self.progress.close()
         pool.deactivate(self.pools)
         self.pools.close()
@@ -103,20 +110,29 @@ class RayExecutor:
             ray.shutdown()
 
     def map(self, scenarios, run_one: Callable) -> Iterator[tuple]:
-        with concurrent.futures.ThreadPoolExecutor(self.progress.parallel,
-                                                   thread_name_prefix="rlaudit-ray") as threads:
+        # not a `with` block: leaving it would wait for every running replay (a Ctrl-C's wait)
+        threads = concurrent.futures.ThreadPoolExecutor(self.progress.parallel,
+                                                        thread_name_prefix="rlaudit-ray")
+        try:
             futures = [threads.submit(run_one, scn, self._replayer(scn.name))
                        for scn in scenarios]
             for scn, future in zip(scenarios, futures):
                 yield scn, future.result()
+        finally:
+            threads.shutdown(wait=False, cancel_futures=True)
 
     def _replayer(self, scenario: str):
         def replay(backend, request):
-            self.progress.start(scenario, backend.name)
-            try:
-                if backend.name == "reference":
-                    return backend.replay_in_pool(request, threads=self._threads)
-                return backend.replay(request)
-            finally:
-                self.progress.finish(scenario, backend.name)
+            if self._interrupted:
+                raise Stopped
+            # every replay is a Ray rank group, bounded by the request's timeout (what is left
+            # of the scenario's --timeout); a Ctrl-C stops the thread waiting for it
+            with self._stoppers.running(scenario):
+                self.progress.start(scenario, backend.name)
+                try:
+                    if backend.name == "reference":
+                        return backend.replay_in_pool(request, threads=self._threads)
+                    return backend.replay(request)
+                finally:
+                    self.progress.finish(scenario, backend.name)
         return replay

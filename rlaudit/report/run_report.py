@@ -18,11 +18,12 @@ from rlaudit.report import localise_view as LV
 from rlaudit.report import render as R
 from rlaudit.report import svg
 from rlaudit.verdict.result import STATUS_ORDER as RESULT_STATUS_ORDER
-from rlaudit.verdict.result import (FAILED, NO_GOLDEN_STATE, PASSED, STATES, ScenarioResult)
+from rlaudit.verdict.result import (FAILED, INTERRUPTED, NO_GOLDEN_STATE, PASSED, STATES,
+                                    ScenarioResult)
 
 #: scenario state -> badge/cell CSS class
 STATE_CLASS = {"passed": "ok", "no golden": "warn", "blessed": "warn", "failed": "bad",
-               "bad input": "err"}
+               "bad input": "err", "n/a": "warn", "interrupted": "err"}
 
 #: invariant cells show the worst status of the checks that apply to the backend, in this order
 STATUS_ORDER = RESULT_STATUS_ORDER
@@ -126,8 +127,10 @@ def _summary(results: list[ScenarioResult]) -> list[tuple[str, object]]:
     passed = sum(r.passed for r in results)
     backends = sorted({b for r in results for b in r.backends})
     no_golden = sum(r.state == NO_GOLDEN_STATE for r in results)
+    stopped = sum(r.state == INTERRUPTED for r in results)
     return [("scenarios", len(results)), ("passed", passed), ("no golden", no_golden),
-            ("failed", len(results) - passed - no_golden),
+            *([("interrupted", stopped)] if stopped else []),
+            ("failed", len(results) - passed - no_golden - stopped),
             ("backends", ", ".join(backends) or "-"),
             ("seconds", f"{sum(r.seconds for r in results):.1f}")]
 

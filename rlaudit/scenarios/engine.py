@@ -8,6 +8,7 @@ the invariants, compare goldens.
 from __future__ import annotations
 
 import concurrent.futures as concurrent_futures
+import dataclasses
 import platform
 import time
 import traceback
@@ -32,6 +33,12 @@ from rlaudit.scenarios.spec import Scenario
 from rlaudit.scenarios.variants import check_sampling_matches, replayable_variants
 from rlaudit.update.step import select_groups
 from rlaudit.verdict.result import ERROR, FAILED, NA, CheckResult, ScenarioResult
+
+#: the pseudo-invariant a scenario stopped at its time limit is tabled under
+TIMEOUT_CHECK = "timeout"
+#: the least time a replay is given when its scenario's limit is (nearly) spent: enough to
+#: start and be stopped with the limit named, never a rank group's zero timeout (refused)
+MIN_REPLAY_S = 0.1
 
 
 def planned_backends(scn: Scenario, backends: list[str] | None = None
@@ -75,11 +82,14 @@ def _replay_all(jobs, replay, *, concurrent: bool):
             if isinstance(done[-1][1], InputError):
                 break  # bad input: nothing more runs
         return done
-    with concurrent_futures.ThreadPoolExecutor(len(jobs),
-                                               thread_name_prefix="rlaudit-backend") as pool:
+    # not a `with` block: at a Ctrl-C it would wait for every replay; the executor stops them
+    pool = concurrent_futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="rlaudit-backend")
+    try:
         futures = [(b, pool.submit(_replay_one, replay, backend, request))
                    for b, backend, request in jobs]
         return [(b, f.result()) for b, f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class ScenarioPolicy:
@@ -189,6 +199,11 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     if jobs is None:
         res.seconds = time.perf_counter() - t0
         return res
+    # the scenario's time limit bounds its replays: each gets what is left of it
+    left = policy.timeout - (time.perf_counter() - t0)
+    jobs = [(b, backend, dataclasses.replace(request, timeout=max(min(request.timeout, left),
+                                                                  MIN_REPLAY_S)))
+            for b, backend, request in jobs]
     runs = {}
     for b, outcome in policy.replay_all(jobs):
         if isinstance(outcome, InputError):
@@ -202,6 +217,13 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0] if err else "error",
                                       {"traceback": err}))
+    if time.perf_counter() - t0 > policy.timeout and res.errors:
+        # stopped at its time limit: no check, golden or localisation on what did not finish
+        res.checks.append(CheckResult(TIMEOUT_CHECK, "*", ERROR,
+                                      f"scenario {scn.name} did not finish within its time "
+                                      f"limit of {policy.timeout:g} s (--timeout)"))
+        res.seconds = time.perf_counter() - t0
+        return res
     ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,
                        variants=variants)
     res.checks.extend(policy.checks(scn, ctx))

@@ -25,10 +25,11 @@ GOLDEN_PASS, GOLDEN_FAIL, STALE, NO_GOLDEN, BLESSED, REFUSED = (
 #: what the scenario exercises): not a pass, counted apart
 BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, NOTHING_APPLIED, PASSED = (
     "bad input", "failed", "blessed", "no golden", "n/a", "passed")
-STATES = (BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, NOTHING_APPLIED, PASSED)
-#: a scenario a Ctrl-C stopped before it finished: no result of its own, named in the
-#: invocation's MLflow record so that an interrupted run is never recorded as passed
+#: a scenario a Ctrl-C stopped before it finished (ScenarioResult.interrupted): whatever it
+#: holds, never a pass -- in the table, the JSON, the report and MLflow
 INTERRUPTED = "interrupted"
+STATES = (INTERRUPTED, BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, NOTHING_APPLIED,
+          PASSED)
 
 
 @dataclass
@@ -89,11 +90,16 @@ class ScenarioResult:
     localisation: list[dict[str, Any]] = field(default_factory=list)
     """Where each failing parity/golden check first diverged (rlaudit/scenarios/localise.py);
     empty, and absent from the JSON, when nothing failed."""
+    interrupted: bool = False
+    """A Ctrl-C stopped this scenario before it finished: its state is "interrupted" whatever
+    else it holds; absent from the JSON when False."""
 
     @property
     def state(self) -> str:
         """One of :data:`STATES` (see there)."""
         golden = {g.status for g in self.golden}
+        if self.interrupted:
+            return INTERRUPTED
         if self.input_error:
             return BAD_INPUT
         if (not all(c.ok for c in self.checks) or self.errors
@@ -118,6 +124,8 @@ class ScenarioResult:
             out = asdict(self) | {"passed": self.passed, "state": self.state}
             if not out["localisation"]:  # a passing scenario's JSON is unchanged
                 del out["localisation"]
+            if not out["interrupted"]:  # nor is a finished one's
+                del out["interrupted"]
             return out
         finally:
             self.runs = runs

@@ -16,6 +16,13 @@ from rlaudit.scenarios.spec import load_scenario
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 
 
+
+class Request(str):
+    """A replay request as the stub backends here see it: a name, and the time it may take
+    (what the engine gives each replay: what is left of its scenario's --timeout)."""
+
+    timeout = 60.0
+
 def _load(*names):
     return [load_scenario(SCENARIOS / f"{n}.yaml") for n in names]
 
@@ -79,7 +86,7 @@ def test_the_local_executor_sends_those_reference_replays_to_the_pool(monkeypatc
         with LocalExecutor(Progress(2, enabled=False), jobs=1, scenarios=scenarios,
                            when_idle=lambda: idle.append(1)) as ex:
             return [res for _, res in ex.map(scenarios,
-                                             lambda scn, replay: replay(Reference(), scn.name))]
+                                             lambda scn, replay: replay(Reference(), Request(scn.name)))]
 
     with warm_pools():
         assert run_all() == [{"base": "kl_k1"}, {"base": "rollout_is_stale_mask"}]

@@ -20,6 +20,13 @@ class Clock:
         return self.t
 
 
+
+class Request(str):
+    """A replay request as the stub backends here see it: a name, and the time it may take
+    (what the engine gives each replay: what is left of its scenario's --timeout)."""
+
+    timeout = 60.0
+
 def test_clock_format():
     assert [clock(x) for x in (None, 0, 59.6, 75.2, 3725)] == ["--", "0:00", "1:00", "1:15",
                                                               "1:02:05"]
@@ -107,7 +114,7 @@ def test_local_executor_keeps_order_and_runs_in_process_replays_one_at_a_time():
             return {"base": request}
 
     def run_one(scn, replay):
-        return [replay(Stub(b), f"{scn.name}/{b}") for b in ("reference", "fsdp")]
+        return [replay(Stub(b), Request(f"{scn.name}/{b}")) for b in ("reference", "fsdp")]
 
     scenarios = [SimpleNamespace(name=f"s{i}") for i in range(6)]
     out = io.StringIO()

@@ -190,6 +190,10 @@ class RankPool:
             pass  # a rank is gone: supervision reports it
         try:
             why = self._supervise(timeout)
+        except BaseException:  # the caller stopped waiting (Ctrl-C, its time limit): the
+            group.kill_all()   # ranks are mid-task, so nothing to ask them; none outlives it
+            self._shutdown()
+            raise
         finally:
             if placement:
                 placement.release(cpus)
