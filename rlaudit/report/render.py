@@ -200,6 +200,9 @@ def write_atomic(path: Path, data: str | bytes) -> Path:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is a normal file
         os.replace(tmp, path)
+    except OSError as e:  # a full disk's write names no file: this one is named
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as concurrent_futures
 import dataclasses
+import errno
 import platform
 import time
 import traceback
@@ -230,12 +231,23 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     res.runs = runs
     if golden_dir is not None:
         refuse = golden_mod.bless_blocker(res) if bless and not force else None
-        res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless,
-                                                 refuse=refuse)
+        try:
+            res.golden = golden_mod.compare_or_bless(scn, runs, Path(golden_dir), bless=bless,
+                                                     refuse=refuse)
+        except OSError as e:  # a golden or .obtained.json not written (atomic: none half-way)
+            res.checks.append(CheckResult("golden", "*", ERROR, unwritten(e)))
     if res.state == FAILED:  # only a failure is localised: nothing extra runs otherwise
         res.localisation = policy.localise(scn, ctx, res)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def unwritten(e: OSError) -> str:
+    """What a golden write that failed says: the file, and on a full disk that it is full."""
+    why = ("no space left on device (ENOSPC)" if e.errno == errno.ENOSPC
+           else e.strerror or str(e))
+    return (f"could not write {e.filename or 'the golden files'}: {why}; nothing was "
+            "half-written (any previous file is unchanged)")
 
 
 def environment(scn: Scenario) -> dict:

@@ -206,6 +206,9 @@ def write_json_atomic(path: Path, doc: dict) -> None:
             f.write("\n")
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; goldens are ordinary committed files
         os.replace(tmp, path)
+    except OSError as e:  # a full disk's write names no file: this one is named
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
