@@ -93,6 +93,7 @@ def open_store(tracking_uri: str | None, report_dir: Path):
     """An MlflowClient for reading; InputError when there is no store or it cannot be reached."""
     # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.mlflow_log import EMBEDDED_DB, preflight, resolve_tracking_uri
+    from rlaudit.report.mlflow_guard import ping  # lazy: as above
     uri, _ = resolve_tracking_uri(tracking_uri, report_dir)
     if not tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI"):
         if not (report_dir / EMBEDDED_DB).exists():
@@ -101,6 +102,7 @@ def open_store(tracking_uri: str | None, report_dir: Path):
         check_sqlite_store(report_dir / EMBEDDED_DB, "--report-dir")
     try:
         preflight(uri)
+        ping(uri)  # it answers a request, whole, within seconds: not merely accepts
     except OSError as e:
         raise InputError(redact(f"cannot reach MLflow at {uri}: {e}", uri),
                          key="--tracking-uri") from None

@@ -6,9 +6,9 @@
   one fails ("duplicate column name: step", "table ... already exists") and the store is left
   half-migrated, so every later run fails too. Opening an existing store takes the same lock, so
   nobody opens a store that is still being created.
-- :func:`ping`: an http(s) tracking server must answer one request within
+- :func:`ping`: an http(s) tracking server must answer one request, whole, within
   :data:`PING_TIMEOUT_S`, not merely accept the connection (a hung server used to cost ~48 s of
-  per-request timeouts and retries).
+  per-request timeouts and retries; one answering a byte at a time held the run forever).
 - :class:`RetryBudget` / :class:`BudgetedClient`: MLflow's per-request retries are off; every
   client call of an invocation shares :data:`RETRY_BUDGET` retry(ies) in total.
 """
@@ -16,9 +16,11 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -98,26 +100,58 @@ def ping(uri: str, *, timeout: float | None = None) -> None:
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme not in ("http", "https"):
         return
-    url = (uri.rstrip("/") + "/api/2.0/mlflow/experiments/get-by-name?experiment_name="
+    # any answer counts, 401 too: credentials in the URI stay out of the request (urllib would
+    # take ``user:password@host`` for a host name) and out of the messages
+    netloc = parsed.netloc.rpartition("@")[2]
+    url = (urllib.parse.urlunparse(parsed._replace(netloc=netloc)).rstrip("/")
+           + "/api/2.0/mlflow/experiments/get-by-name?experiment_name="
            + urllib.parse.quote("rlaudit-probe"))
+    # each socket read has ``timeout``, but a server answering a byte at a time never lets one
+    # expire: the whole answer gets ``timeout`` too (the reader, a daemon, is left behind)
+    done: list[BaseException | None] = []
+    reader = threading.Thread(target=_ask, args=(url, timeout, done), daemon=True,
+                              name="rlaudit-mlflow-ping")
+    reader.start()
+    reader.join(timeout)
+    if not done:
+        raise OSError(f"{netloc} did not answer within {timeout:g}s (no whole answer "
+                      "to one request: a hung server, or one answering a byte at a time)")
+    if done[0] is not None:
+        _answered_or_raise(done[0], netloc, timeout)
+
+
+def _ask(url: str, timeout: float, done: list) -> None:
+    """Read the answer to ``url`` whole; append None, or what went wrong."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout):
-            return
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            answer.read()
+        done.append(None)
+    except BaseException as e:  # noqa: BLE001 - judged by the caller
+        done.append(e)
+
+
+def _answered_or_raise(exc: BaseException, netloc: str, timeout: float) -> None:
+    """Nothing if ``exc`` still means the server answered; else OSError saying what failed."""
+    try:
+        raise exc
     except urllib.error.HTTPError:
         return  # it answered
     except ssl.SSLError as e:
         if "timed out" not in str(e):
             return  # it answered the TLS handshake; MLflow's own client decides about the cert
-        raise OSError(f"{parsed.netloc} accepted the connection but did not answer within "
+        raise OSError(f"{netloc} accepted the connection but did not answer within "
                       f"{timeout:g}s") from None
     except (socket.timeout, TimeoutError):
-        raise OSError(f"{parsed.netloc} accepted the connection but did not answer within "
+        raise OSError(f"{netloc} accepted the connection but did not answer within "
                       f"{timeout:g}s") from None
     except urllib.error.URLError as e:
         reason = e.reason
         if isinstance(reason, (socket.timeout, TimeoutError)):
-            raise OSError(f"{parsed.netloc} did not answer within {timeout:g}s") from None
-        raise OSError(f"{parsed.netloc}: {reason}") from None
+            raise OSError(f"{netloc} did not answer within {timeout:g}s") from None
+        raise OSError(f"{netloc}: {reason}") from None
+    except (http.client.HTTPException, OSError) as e:  # a broken answer: not an HTTP server's
+        raise OSError(f"{netloc} did not answer as an HTTP server: {type(e).__name__}: "
+                      f"{e}") from None
 
 
 class RetryBudget:
