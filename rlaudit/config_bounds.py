@@ -24,14 +24,23 @@ from rlaudit.errors import InputError
 
 @dataclass(frozen=True)
 class Bound:
-    """The range of one numeric config value: ``low``/``high`` (None = unbounded), each open or
-    closed; ``why`` says what a value outside would break."""
+    """The range of one numeric value: ``low``/``high`` (None = unbounded), each open or closed;
+    ``why`` says what a value outside would break.
+
+    ``limit``: for a size that drives work or memory (steps, epochs, parallel sizes, padding,
+    rows), the largest value an audit takes, ``limit_why`` what the size counts. Checked when a
+    scenario is loaded (rlaudit/scenarios/bounds.py: "above the limit of ..."), not by
+    :func:`check_bounds`: each limit is far past any real audit scenario (rlaudit's own use at
+    most 4 steps, 2 epochs, 4-way layouts) and near where a replay on a fixed rollout stops being
+    an audit and becomes a training run, so a limit hit is a typo or a hostile file."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
     why: str = ""
+    limit: int | None = None
+    limit_why: str = ""
 
     def holds(self, v: float) -> bool:
         if isinstance(v, float) and not math.isfinite(v):
@@ -67,6 +76,16 @@ POSITIVE = Bound(low=0, low_open=True)
 AT_LEAST_1 = Bound(low=1)
 UNIT = Bound(low=0, high=1)
 
+
+def count(limit: int, what: str, *, low: int = 1) -> Bound:
+    """A size that drives work: an integer from ``low`` up to the audit ``limit`` (see
+    :class:`Bound`); ``what`` it counts."""
+    return Bound(low=low, limit=limit, limit_why=what)
+
+
+EPOCHS = count(1_000, "passes over the rollout per step")
+TOKENS = 1_048_576  # a padded sequence's tokens, and rows of logits held at once
+
 _OPTIM = {
     "lr": Bound(low=0, why="a negative rate climbs the loss"),
     "weight_decay": NON_NEGATIVE,
@@ -74,9 +93,15 @@ _OPTIM = {
     "eps": Bound(low=0, low_open=True, why="Adam divides by sqrt(v) + eps"),
 }
 
-#: config dataclass name -> field -> bound (see the module docstring; names, not the classes,
-#: so that rlaudit.config can call this module without a circle)
+#: the rows of a scenario file's own numeric keys (not a config dataclass: check_bounds never
+#: reads them; the scenario loader does)
+SCENARIO = "Scenario"
+
+#: config dataclass name -> field -> bound, both ends (see the module docstring and
+#: :class:`Bound`; names, not the classes, so that rlaudit.config can call this module without a
+#: circle), and :data:`SCENARIO`'s keys
 BOUNDS: dict[str, dict[str, Bound]] = {
+    SCENARIO: {"steps": count(10_000, "optimizer steps replayed on one fixed rollout")},
     "OptimConfig": _OPTIM,
     "FilterGroupsConfig": {"max_num_gen_batches": ANY},  # <= 0 means no limit
     "AlgorithmConfig": {
@@ -96,27 +121,33 @@ BOUNDS: dict[str, dict[str, Bound]] = {
         "clip_ratio_c": Bound(low=1, low_open=True, why="the dual-clip bound"),
         "entropy_coeff": ANY, "kl_loss_coef": NON_NEGATIVE,
         "ppo_mini_batch_size": AT_LEAST_1, "ppo_micro_batch_size_per_gpu": AT_LEAST_1,
-        "ppo_max_token_len_per_gpu": AT_LEAST_1, "ppo_epochs": AT_LEAST_1,
-        "context_parallel_size": AT_LEAST_1,
+        "ppo_max_token_len_per_gpu": AT_LEAST_1, "ppo_epochs": EPOCHS,
+        "context_parallel_size": count(1_024, "simulated ranks each sequence is split over"),
         "grad_clip": ANY,  # <= 0 disables clipping
-        "logprob_chunk_size": AT_LEAST_1,
+        "logprob_chunk_size": count(TOKENS, "rows of logits held at once (memory ~ chunk x "
+                                            "vocab x 5 bytes)"),
     },
     "CriticConfig": {
         "cliprange_value": NON_NEGATIVE, "ppo_micro_batch_size_per_gpu": AT_LEAST_1,
-        "ppo_epochs": AT_LEAST_1, "grad_clip": ANY,
+        "ppo_epochs": EPOCHS, "grad_clip": ANY,
     },
     "RolloutConfig": {
-        "n": AT_LEAST_1, "temperature": POSITIVE,
+        "n": count(4_096, "responses per prompt"), "temperature": POSITIVE,
         "top_p": Bound(low=0, high=1, low_open=True), "top_k": Bound(low=-1, why="-1 or 0 = off"),
-        "response_length": AT_LEAST_1, "prompt_length": AT_LEAST_1,
+        "response_length": count(TOKENS, "tokens a padded response is allocated"),
+        "prompt_length": count(TOKENS, "tokens a padded prompt is allocated"),
     },
     "OverlongBufferConfig": {"len": Bound(low=1, why="the penalty divides by it"),
                            "penalty_factor": NON_NEGATIVE},
     "RewardConfig": {},
-    "DataConfig": {"train_batch_size": AT_LEAST_1, "gen_batch_size": AT_LEAST_1},
+    "DataConfig": {"train_batch_size": count(65_536, "prompts per step"),
+                   "gen_batch_size": AT_LEAST_1},
     "TrainerConfig": {"seed": Bound(low=0, high=2 ** 63, high_open=True,
                                   why="torch.manual_seed's range"),
-                    "total_steps": AT_LEAST_1, "extra_padding_microbatches": NON_NEGATIVE},
+                    "total_steps": AT_LEAST_1,
+                    "extra_padding_microbatches": count(
+                        1_024, "padding micro-batches run on every rank, every optimizer step",
+                        low=0)},
     "Config": {},
 }
 

@@ -1,12 +1,13 @@
-"""Upper bounds on the sizes in a scenario that drive work or memory, checked on load.
+"""The audit limits on the sizes in a scenario that drive work or memory, checked on load, and
+one name per scenario.
 
-Validation elsewhere makes each size well-formed (an integer >= 1, a layout that fits the
-model); nothing bounded it from above, so ``steps: 10**30`` replayed for as long as anyone
-let it, ``ppo_epochs: 10**12`` looped inside validation and a huge context-parallel size or
-padding count ran for minutes before failing. Each limit below is far past any real audit
-scenario (rlaudit's own use at most 4 steps, 2 epochs, 4-way layouts) and near where a
-replay on a fixed rollout stops being an audit and becomes a training run, so a limit hit is
-a typo or a hostile file. Exceeding one is an InputError naming the key and the limit.
+The limits are the ``limit`` end of each key's row in :data:`rlaudit.config_bounds.BOUNDS`
+(its other end, the range a value must be in at all, is checked as the config is built):
+validation elsewhere makes each size well-formed (an integer >= 1, a layout that fits the
+model), and without an upper end ``steps: 10**30`` replayed for as long as anyone let it,
+``ppo_epochs: 10**12`` looped inside validation and a huge context-parallel size or padding
+count ran for minutes before failing. Exceeding one is an InputError naming the key and the
+limit.
 """
 
 from __future__ import annotations
@@ -14,26 +15,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from rlaudit.config import Config
+from rlaudit.config_bounds import BOUNDS, SCENARIO, numeric_fields
 from rlaudit.errors import InputError
 
-#: key -> (limit, why). ``steps`` and layout sizes are scenario keys; the rest under ``config.``.
-LIMITS: dict[str, tuple[int, str]] = {
-    "steps": (10_000, "optimizer steps replayed on one fixed rollout"),
-    "config.actor.ppo_epochs": (1_000, "passes over the rollout per step"),
-    "config.critic.ppo_epochs": (1_000, "passes over the rollout per step"),
-    "config.actor.context_parallel_size": (1_024, "simulated ranks each sequence is split over"),
-    "config.trainer.extra_padding_microbatches": (
-        1_024, "padding micro-batches run on every rank, every optimizer step"),
-    "config.rollout.n": (4_096, "responses per prompt"),
-    "config.data.train_batch_size": (65_536, "prompts per step"),
-    "config.rollout.response_length": (1_048_576, "tokens a padded response is allocated"),
-    "config.rollout.prompt_length": (1_048_576, "tokens a padded prompt is allocated"),
-    "config.actor.logprob_chunk_size": (
-        1_048_576, "rows of logits held at once (memory ~ chunk x vocab x 5 bytes)"),
-}
 #: ranks one backend layout may start (the product of its sizes): a multi-node Ray cluster of
 #: 32 nodes x 8 GPUs; a local run starts one process per rank
 MAX_WORLD = 256
+
+
+def limits() -> dict[str, tuple[int, str]]:
+    """Scenario key (``steps``, ``config.actor.ppo_epochs``, ...) -> (limit, what it counts) of
+    every row of :data:`~rlaudit.config_bounds.BOUNDS` with a ``limit``."""
+    out = {key: (row.limit, row.limit_why) for key, row in BOUNDS[SCENARIO].items()
+           if row.limit is not None}
+    for cls, name, key, _ in numeric_fields(Config):
+        row = BOUNDS[cls.__name__][name]
+        if row.limit is not None:
+            out[f"config.{key}"] = (row.limit, row.limit_why)
+    return out
 
 
 def _value(scn, key: str):
@@ -49,7 +49,7 @@ def size_problems(scn) -> list[InputError]:
     """The sizes of loaded scenario ``scn`` above their limits (empty when all are within)."""
     src = str(scn.path)
     out = []
-    for key, (limit, why) in LIMITS.items():
+    for key, (limit, why) in limits().items():
         v = _value(scn, key)
         if isinstance(v, int) and v > limit:
             out.append(InputError(f"{v} is above the limit of {limit} ({why}); a larger "

@@ -12,7 +12,9 @@ import pytest
 import yaml
 from reltools import assert_named, scenario_dict, write_scenario
 
-from rlaudit.scenarios.bounds import LIMITS, MAX_WORLD
+from rlaudit.scenarios.bounds import MAX_WORLD, limits
+
+LIMITS = limits()
 
 
 def _run(scn, tmp, *extra):
