@@ -96,25 +96,7 @@ def run(args) -> int:
 def _run(args) -> int:
     plots: dict = {}  # the report's plots, rendered as scenario results come in (_plots_now)
     if args.target:
-        from rlaudit.targets.run.runner import run_target  # lazy: torch, engine, backends
-        from rlaudit.targets.run.validate import validate_target  # lazy: as run_target
-        paths = (resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
-                 if args.scenarios or args.all else [])
-        adapter = validate_target(args.target, paths)  # stage signatures, scenario inputs
-        import torch  # lazy: torch: kept out of CLI start-up (`rlaudit list`, `--help`)
-
-        torch.set_num_threads(switches.threads())        # as for scenarios (RLAUDIT_THREADS)
-        results = run_target(adapter, scenario_names=args.scenarios, all_=args.all,
-                             scenarios_dir=args.scenarios_dir)
-        if not args.json:
-            # lazy: report and MLflow modules: kept out of CLI start-up
-            from rlaudit.report.console import render_result
-            for res in results:
-                print(render_result(res), flush=True)
-                print(flush=True)
-        note = target_scope_note(args.scenarios, args.all)
-        if note:
-            print(note, file=sys.stderr)
+        results = _run_target(args)
     else:
         # lazy: torch and the engine: kept out of CLI start-up
         from rlaudit.scenarios.outcome import run_isolated
@@ -132,12 +114,15 @@ def _run(args) -> int:
         from rlaudit.executors import make_executor
         results = []
         backends = _with_oracle(args.backends)
+        done = {}  # scenario name -> result, as each finishes (map yields them in order)
 
         def run_one(scn, replay):
             # a late failure is this scenario's result: the others run, all are reported
-            return run_isolated(scn, backends=backends, golden_dir=args.golden_dir,
-                                bless=args.bless, force=args.force, timeout=args.timeout,
-                                replay=replay, concurrent_backends=executor.concurrent_backends)
+            done[scn.name] = run_isolated(scn, backends=backends, golden_dir=args.golden_dir,
+                                          bless=args.bless, force=args.force,
+                                          timeout=args.timeout, replay=replay,
+                                          concurrent_backends=executor.concurrent_backends)
+            return done[scn.name]
 
         try:
             with make_executor(args.executor, scenarios, backends=backends,
@@ -155,6 +140,8 @@ def _run(args) -> int:
                             print(flush=True)
                     _plots_now(res, plots)
         except KeyboardInterrupt:  # the executor stopped its replays on the way out
+            shown = len(results)
+            results += [done[s.name] for s in scenarios[shown:] if s.name in done]
             print(f"rlaudit: interrupted after {len(results)} of {len(scenarios)} scenario(s); "
                   "reporting those", file=sys.stderr, flush=True)
             finished = {r.scenario for r in results}
@@ -164,13 +151,38 @@ def _run(args) -> int:
             # passed (MLflow: the invocation KILLED)
             _report(results, args, plots, interrupted=[r.scenario for r in stopped],
                     shown=results + stopped)
-            _print_results(results + stopped, args, rendered=len(results))
+            _print_results(results + stopped, args, rendered=shown)
             return EXIT_INTERRUPTED
     _report(results, args, plots)
     _print_results(results, args, rendered=len(results))
     # lazy: torch and the engine: kept out of CLI start-up
     from rlaudit.scenarios.outcome import exit_code
     return exit_code(results, require_golden=args.require_golden)
+
+
+def _run_target(args) -> list:
+    """``run --target``: the target's stage checks and scenarios, each table printed as it
+    comes (unless --json)."""
+    from rlaudit.targets.run.runner import run_target  # lazy: torch, engine, backends
+    from rlaudit.targets.run.validate import validate_target  # lazy: as run_target
+    paths = (resolve_scenarios(args.scenarios, all_=args.all, scenarios_dir=args.scenarios_dir)
+             if args.scenarios or args.all else [])
+    adapter = validate_target(args.target, paths)  # stage signatures, scenario inputs
+    import torch  # lazy: torch: kept out of CLI start-up (`rlaudit list`, `--help`)
+
+    torch.set_num_threads(switches.threads())        # as for scenarios (RLAUDIT_THREADS)
+    results = run_target(adapter, scenario_names=args.scenarios, all_=args.all,
+                         scenarios_dir=args.scenarios_dir)
+    if not args.json:
+        # lazy: report and MLflow modules: kept out of CLI start-up
+        from rlaudit.report.console import render_result
+        for res in results:
+            print(render_result(res), flush=True)
+            print(flush=True)
+    note = target_scope_note(args.scenarios, args.all)
+    if note:
+        print(note, file=sys.stderr)
+    return results
 
 
 def interrupted_result(scn, backends: list[str] | None):

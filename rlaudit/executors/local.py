@@ -163,7 +163,8 @@ class LocalExecutor:
                 return backend.replay_in_pool(request, threads=switches.threads())
             return backend.replay(request)
         finally:
-            self.progress.finish(scn.name, backend.name)
+            if not self._interrupted:  # a replay a Ctrl-C stopped did not finish
+                self.progress.finish(scn.name, backend.name)
 
     def _idle(self) -> None:
         """``when_idle``, the first time only."""
