@@ -40,6 +40,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,9 @@ HTTP_BACKOFF_FACTOR = 1
 BATCH_METRICS, BATCH_PARAMS_TAGS = 1000, 100
 #: seconds `git rev-parse` may take (a network filesystem can stall)
 GIT_TIMEOUT_S = 5
+#: seconds one invocation's logging may take in all: each request's read timeout does not
+#: bound a server answering every request a byte at a time after a prompt ping
+LOG_DEADLINE_S = 300.0
 
 
 @dataclass
@@ -279,19 +283,38 @@ def _log(results, client, exp_id, prog: _Progress, *, run_name, extra_tags, git,
 
 
 def log_invocation(results: list[ScenarioResult], *, tracking_uri: str | None, report_dir: Path,
-                   experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
-                   extra_tags: dict | None = None,
-                   report_files: list[Path] | None = None,
-                   interrupted: list[str] | None = None) -> LogOutcome:
+                   **options) -> LogOutcome:
     """Log ``results`` (one ``rlaudit run`` invocation). Never raises: ``ok=False`` and a message
-    saying what was and was not logged when MLflow is missing, unreachable or misconfigured.
+    saying what was and was not logged when MLflow is missing, unreachable or misconfigured, or
+    did not finish within :data:`LOG_DEADLINE_S` (read at each call; the logging thread, a
+    daemon, is left behind).
 
-    ``report_files``: the paths ``write_run_report`` returned for these results, attached as
-    they are; without it the report is rendered again into a temporary directory.
-    ``interrupted``: scenarios a Ctrl-C stopped before they finished (the parent run ends KILLED,
-    ``rlaudit.passed`` false)."""
+    ``options``: ``experiment``, ``run_name``, ``extra_tags``; ``report_files``: the paths
+    ``write_run_report`` returned for these results, attached as they are (without them the
+    report is rendered again into a temporary directory); ``interrupted``: scenarios a Ctrl-C
+    stopped before they finished (the parent run ends KILLED, ``rlaudit.passed`` false)."""
+    prog, done = _Progress(), []
+    worker = threading.Thread(
+        target=lambda: done.append(_log_invocation(results, prog, tracking_uri=tracking_uri,
+                                                    report_dir=report_dir, **options)),
+        daemon=True, name="rlaudit-mlflow-log")
+    worker.start()
+    worker.join(LOG_DEADLINE_S)
+    if done:
+        return done[0]
+    uri = resolve_tracking_uri(tracking_uri, Path(report_dir))[0]
+    return LogOutcome(False, redact(
+        f"MLflow logging to {uri} did not finish within {LOG_DEADLINE_S:g}s (stuck while "
+        f"{prog.stage}; parent run {prog.parent or 'not created'}, {prog.children}/{prog.total} "
+        "child runs logged): left behind (the audit result above stands)", uri), prog.parent, uri)
+
+
+def _log_invocation(results: list[ScenarioResult], prog: _Progress, *,
+                    tracking_uri: str | None, report_dir: Path,
+                    experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
+                    extra_tags: dict | None = None, report_files: list[Path] | None = None,
+                    interrupted: list[str] | None = None) -> LogOutcome:
     uri, artifact_location = resolve_tracking_uri(tracking_uri, Path(report_dir))
-    prog = _Progress()
     client = None
     budget = RetryBudget()
     t0 = time.perf_counter()

@@ -186,9 +186,13 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     ``bless``: write the goldens, refused (nothing written) when a check failed or a backend
     crashed in this run unless ``force``. A degenerate replay (no trainable token, an invariant
     left nothing to compare, ...) is an InputError (rlaudit.scenarios.validate).
+    ``timeout``: seconds the whole scenario may take -- each replay gets what is left of it
+    (ranks are killed at it; an executor's ``replay`` stops one in its process), and a scenario
+    whose replays ran past it is one ERROR row naming it and the limit.
     ``policy``: where the scenario runs (:class:`ScenarioPolicy`; given, it replaces
     ``backends``, ``timeout``, ``replay`` and ``concurrent_backends``)."""
     t0 = time.perf_counter()
+    bounded = policy is None  # ``timeout`` bounds the whole scenario; a policy keeps its own
     policy = policy or ScenarioPolicy(backends, timeout=timeout, replay=replay,
                                       concurrent=concurrent_backends)
     scn = policy.prepare(scn)
@@ -208,8 +212,9 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     if jobs is None:
         res.seconds = time.perf_counter() - t0
         return res
-    jobs = [(b, backend, within(request, policy.timeout - (time.perf_counter() - t0)))
-            for b, backend, request in jobs]
+    if bounded:
+        jobs = [(b, backend, within(request, timeout - (time.perf_counter() - t0)))
+                for b, backend, request in jobs]
     runs = {}
     for b, outcome in policy.replay_all(jobs):
         if isinstance(outcome, InputError):
@@ -223,11 +228,11 @@ def run_scenario(scn: Scenario, *, backends: list[str] | None = None,
     for b, err in res.errors.items():
         res.checks.append(CheckResult("*", b, ERROR, err.splitlines()[0] if err else "error",
                                       {"traceback": err}))
-    if time.perf_counter() - t0 > policy.timeout and res.errors:
+    if bounded and time.perf_counter() - t0 > timeout and res.errors:
         # stopped at its time limit: no check, golden or localisation on what did not finish
         res.checks.append(CheckResult(TIMEOUT_CHECK, "*", ERROR,
                                       f"scenario {scn.name} did not finish within its time "
-                                      f"limit of {policy.timeout:g} s (--timeout)"))
+                                      f"limit of {timeout:g} s (--timeout)"))
         res.seconds = time.perf_counter() - t0
         return res
     ctx = CheckContext(scenario=scn, batch=batch, runs=runs, errors=res.errors,

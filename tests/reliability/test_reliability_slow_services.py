@@ -94,7 +94,7 @@ def dripping():
 
 
 @pytest.mark.slow  # one in-process run (~5 s)
-@pytest.mark.timeout(HUNG_S, method="thread")  # before: held forever; a failure, not a hang
+@pytest.mark.timeout(HUNG_S, method="signal")  # before: held forever; a failure, not a hang
 def test_run_is_not_held_by_a_server_answering_a_byte_at_a_time(cli, tmp_path, monkeypatch,
                                                                   dripping):
     monkeypatch.setattr(mlflow_guard, "PING_TIMEOUT_S", 1.0)
@@ -111,7 +111,7 @@ def test_run_is_not_held_by_a_server_answering_a_byte_at_a_time(cli, tmp_path, m
     assert seconds < 60, seconds     # the run itself included; before: never returned
 
 
-@pytest.mark.timeout(HUNG_S, method="thread")
+@pytest.mark.timeout(HUNG_S, method="signal")
 def test_report_is_not_held_by_a_server_answering_a_byte_at_a_time(cli, tmp_path, monkeypatch,
                                                                      dripping):
     monkeypatch.setattr(mlflow_guard, "PING_TIMEOUT_S", 1.0)
@@ -161,3 +161,39 @@ def test_a_grpc_server_passes_the_ray_address_probe():
         ray_address.probe_ray_address(f"ray://127.0.0.1:{port}", timeout=2.0)
     finally:
         server.stop(0)
+
+
+def ping_then_drip(conn, stop):
+    """Answers rlaudit's ping at once (404), every other request a byte at a time."""
+    if b"rlaudit-probe" not in conn.recv(4096):
+        drip(conn, stop)  # closes it
+        return
+    with conn:
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close"
+                     b"\r\n\r\n")
+
+
+@pytest.mark.timeout(HUNG_S, method="signal")
+def test_logging_after_a_prompt_ping_is_bounded_in_all(tmp_path, monkeypatch):
+    """Each request's read timeout never expires on a dripping answer: the invocation's logging
+    as a whole is bounded (LOG_DEADLINE_S; 2 s here) and says where it was stuck."""
+    pytest.importorskip("mlflow.tracking")  # imported now: the 2 s are the logging's alone
+    from rlaudit.report import mlflow_log
+    from rlaudit.verdict.result import CheckResult, ScenarioResult
+    monkeypatch.setattr(mlflow_log, "LOG_DEADLINE_S", 2.0)
+    srv = Server(ping_then_drip)
+    res = ScenarioResult("s", "s.yaml", ["reference"],
+                         checks=[CheckResult("sanity-bounds", "reference", "pass")])
+    try:
+        t0 = time.monotonic()
+        out = mlflow_log.log_invocation([res], report_dir=tmp_path,
+                                        tracking_uri=f"http://u:{SECRET}@127.0.0.1:{srv.port}")
+        seconds = time.monotonic() - t0
+    finally:
+        srv.close()
+    assert not out.ok
+    assert out.message.startswith(f"MLflow logging to http://u:***@127.0.0.1:{srv.port} did not "
+                                  "finish within 2s (stuck while opening the tracking store"), \
+        out.message
+    assert SECRET not in out.message
+    assert seconds < 5, seconds
