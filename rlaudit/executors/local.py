@@ -20,6 +20,10 @@ from rlaudit.executors.stop import Stopped, Stoppers
 from rlaudit.quiet import quiet_loggers
 from rlaudit.scenarios.engine import planned_backends
 
+#: Seconds past a replay's timeout before a thread still waiting on ranks is stopped: the
+#: ranks' own timeout comes first, with their stacks (a busy pool, or one still starting, has
+#: none to give).
+RANKS_GRACE_S = 10.0
 #: Scenarios the local executor keeps in flight: two, so that one scenario's one-core work (its
 #: reference replay, its checks) overlaps another's multi-rank replay (the ranks).
 LOCAL_JOBS = 2
@@ -128,14 +132,17 @@ class LocalExecutor:
             if pooled and self._idle_early:
                 self._idle()  # this process has no replay of its own: only ranks to wait for
             # the scenario's time left (the engine gives each request what remains of
-            # --timeout): ranks are bounded by it, a replay in this process by a timer
+            # --timeout) bounds a replay in this process by a timer; ranks by their own
+            # timeout (their failure shows where they were stuck), the timer a backstop
             deadline = time.monotonic() + request.timeout
-            timer = threading.Timer(request.timeout, self._stoppers.stop, args=(scn.name,))
+            here = reference and not pooled
+            timer = threading.Timer(request.timeout + (0 if here else RANKS_GRACE_S),
+                                    self._stoppers.stop, args=(scn.name,))
             timer.daemon = True
             timer.start()
             try:
                 with self._stoppers.running(scn.name):
-                    if reference and not pooled:
+                    if here:
                         return self._replay_here(scn, backend, request, deadline)
                     return self._replay_timed(scn, backend, request, pooled)
             except Stopped:
