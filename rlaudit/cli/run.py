@@ -48,8 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="override every scenario's device (nightly GPU job: cuda)")
     p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds a backend replaying in a rank group may take per scenario: the "
-                        "multi-rank backends, and the reference beside them on the CPU "
+                   help="seconds each scenario may take, wherever its replays run (this "
+                        "process, rank groups, Ray); one past it fails, naming the limit "
                         "(default: %(default)s)")
     p.add_argument("--executor", choices=["local", "ray"], default="local",
                    help="where the scenario x backend jobs run: this machine with warm rank "
