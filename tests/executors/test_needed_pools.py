@@ -16,12 +16,12 @@ from rlaudit.scenarios.spec import load_scenario
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 
 
-
 class Request(str):
     """A replay request as the stub backends here see it: a name, and the time it may take
     (what the engine gives each replay: what is left of its scenario's --timeout)."""
 
     timeout = 60.0
+
 
 def _load(*names):
     return [load_scenario(SCENARIOS / f"{n}.yaml") for n in names]

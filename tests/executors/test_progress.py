@@ -20,12 +20,12 @@ class Clock:
         return self.t
 
 
-
 class Request(str):
     """A replay request as the stub backends here see it: a name, and the time it may take
     (what the engine gives each replay: what is left of its scenario's --timeout)."""
 
     timeout = 60.0
+
 
 def test_clock_format():
     assert [clock(x) for x in (None, 0, 59.6, 75.2, 3725)] == ["--", "0:00", "1:00", "1:15",
