@@ -61,7 +61,9 @@ STAGES: dict[str, str] = {
 }
 
 #: Exceptions a stage may raise to say "this name/setting is not implemented here": the case is
-#: reported as skipped (and the check n/a if nothing else ran), never as passed or failed.
+#: reported as skipped (and the check n/a if nothing else ran), never as passed or failed. Its
+#: subclass rlaudit.verdict.unsupported.UnsupportedFeature ("this release lacks what the check
+#: needs", feature and release named) makes the check ``unsupported`` if nothing else ran.
 NOT_SUPPORTED = (NotImplementedError,)
 
 
