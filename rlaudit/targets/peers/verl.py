@@ -49,6 +49,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers import verl_compat
 
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
@@ -240,6 +241,10 @@ class VerlAdapter(TargetAdapter):
                if k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")}
         out["actor/pg_loss"] = float(loss.detach())     # ppo_loss: metrics["actor/pg_loss"]
         return loss, out
+
+    def value_loss(self, **kw):
+        """``core_algos.compute_value_loss`` as this release's trainer calls it (verl_compat)."""
+        return verl_compat.value_loss(self.core, **kw)
 
     # ---- micro-batching ----------------------------------------------------------------------
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,

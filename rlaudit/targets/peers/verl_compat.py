@@ -1,0 +1,64 @@
+"""What differs between verl releases, read from the installed release's functions (by feature,
+not by version string), for the verl adapter (``verl.py``).
+
+- :func:`value_loss`: ``core_algos.compute_value_loss`` called as that release's trainer calls
+  it. From 0.9 it takes the global counts (``dp_size``, ``batch_num_tokens``,
+  ``global_batch_size``, ``loss_scale_factor``) and ``workers/utils/losses.py`` passes them;
+  before, it has no such keywords and the trainer normalised each micro-batch by its own counts
+  (verl 0.8.0 ``losses.py`` L167-174, fixed by https://github.com/verl-project/verl/pull/6957):
+  the adapter then calls it with the micro-batch's own counts too, so
+  ``value_loss:global-split`` shows what that trainer computes.
+- :func:`require_keyword`: a function of the release must take a keyword the check needs, else
+  :class:`~rlaudit.verdict.unsupported.UnsupportedFeature` naming the release (asked before the
+  call, so a ``TypeError`` raised inside verl's math stays a finding).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from rlaudit.algo.agg import Denominators
+from rlaudit.targets.contract import UnsupportedFeature
+from rlaudit.targets.contract.adapter import accepts
+
+#: verl computes its losses in float32
+DTYPE = torch.float32
+#: the keyword of compute_value_loss that came with global normalisation (verl 0.9)
+GLOBAL_VALUE_KEYWORD = "batch_num_tokens"
+
+
+def global_info(denominators: Denominators | None) -> dict[str, Any]:
+    """verl's global-count keywords for rlaudit's whole-mini-batch counts (``dp_size=1``: verl
+    multiplies by it because DDP/FSDP average gradients over ranks; rlaudit's contributions are
+    summed); empty without counts."""
+    if denominators is None:
+        return {}
+    return {"dp_size": 1, "batch_num_tokens": denominators.tokens,
+            "global_batch_size": denominators.seqs,
+            "loss_scale_factor": denominators.norm_len}
+
+
+def require_keyword(fn: Callable, keyword: str, *, release: str, feature: str,
+                    reason: str = "") -> None:
+    """Raise UnsupportedFeature unless ``fn`` takes ``keyword``."""
+    if not accepts(fn, keyword):
+        raise UnsupportedFeature(f"{feature} ({getattr(fn, '__name__', fn)} takes no "
+                                 f"`{keyword}`)", release=release, reason=reason)
+
+
+def value_loss(core, *, vpreds, values, returns, response_mask, cliprange_value,
+               loss_agg_mode, denominators=None):
+    """``core.compute_value_loss`` as the release's trainer calls it (module docstring):
+    ``(loss, {"critic/vf_loss", "critic/vf_clipfrac"})``."""
+    fn = core.compute_value_loss
+    counts = global_info(denominators) if accepts(fn, GLOBAL_VALUE_KEYWORD) else {}
+    loss, clipfrac = fn(vpreds=vpreds.to(DTYPE), values=values.to(DTYPE),
+                        returns=returns.to(DTYPE), response_mask=response_mask.bool(),
+                        cliprange_value=float(cliprange_value), loss_agg_mode=loss_agg_mode,
+                        **counts)
+    return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac)}
+
+
+__all__ = ["global_info", "require_keyword", "value_loss"]
