@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from rlaudit import switches
 from rlaudit.cli.argcheck import check_run_options
 from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, resolve_scenarios
 from rlaudit.cli.golden import orphan_warning
+from rlaudit.cli.result_stream import result_stream
 from rlaudit.errors import EXIT_INTERRUPTED
 from rlaudit.heap import importing
 from rlaudit.quiet import third_party_to_log
@@ -81,8 +83,9 @@ def run(args) -> int:
     # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
     log = Path(args.report_dir) / "rlaudit.log"
     try:
-        with third_party_to_log(log), warm_pools():
-            return _run(args)
+        # --json: whatever the code under audit prints goes to stderr, the JSON alone to stdout
+        with third_party_to_log(log), warm_pools(), result_stream(args.json) as out:
+            return _run(args, out)
     finally:
         # lazy: the launcher: only commands that start ranks
         from rlaudit.backends.launch import start
@@ -93,7 +96,7 @@ def run(args) -> int:
             print(f"third-party warnings and logs: {log}", file=sys.stderr)
 
 
-def _run(args) -> int:
+def _run(args, out: TextIO) -> int:
     plots: dict = {}  # the report's plots, rendered as scenario results come in (_plots_now)
     if args.target:
         from rlaudit.targets.run.runner import run_target  # lazy: torch, engine, backends
@@ -163,8 +166,8 @@ def _run(args) -> int:
             return EXIT_INTERRUPTED
     _report(results, args, plots)
     if args.json:
-        json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
-        print()
+        json.dump([r.to_json() for r in results], out, indent=1, default=str)
+        print(file=out)
     else:
         # lazy: report and MLflow modules: kept out of CLI start-up
         from rlaudit.report.console import render_summary
