@@ -129,6 +129,7 @@ class SkyRLAdapter(TargetAdapter):
 
     name = "skyrl"
     precision = "float32"
+
     # SkyRL's worker averages clip_ratio (a local masked mean) over micro-batches; `*_loss`
     # metrics (policy_loss: the loss on pre-scaled advantages, a contribution) are summed
     # (worker_utils.reduce_metrics(sum_loss_metrics=True))
@@ -173,6 +174,11 @@ class SkyRLAdapter(TargetAdapter):
             link=f"{_PPO_UTILS} (apply_loss_reduction_to_advantages_minibatch)",
             checks=("policy_loss:*",), convention={"seq_count": "all-rows"}),
     )
+
+    def __init__(self):
+        # the report column names the release audited (as verl's does)
+        self.version = str(_import_skyrl().version)
+        self.name = f"skyrl-{self.version}"
 
     # ---- advantages ----------------------------------------------------------------------
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,
