@@ -209,6 +209,8 @@ class VerlAdapter(TargetAdapter):
                 "loss_scale_factor": denominators.norm_len}
 
     def agg_loss(self, *, loss_mat, mask, mode, denominators=None):
+        if denominators is not None:
+            verl_compat.require_global_counts(self.core, release=self.name)
         return self.core.agg_loss(loss_mat=self._f32(loss_mat), loss_mask=mask.bool(),
                                   loss_agg_mode=mode, **self._global_info(denominators))
 
@@ -231,6 +233,8 @@ class VerlAdapter(TargetAdapter):
         ``pg_metrics`` (each a local masked mean over this call's tokens) and ``actor/pg_loss``,
         the loss value itself (summed over micro-batches under global counts: a contribution,
         :attr:`metric_reduction`)."""
+        verl_compat.require_policy_loss(self.core, loss_mode, release=self.name,
+                                        global_counts=denominators is not None)
         fn = self.core.get_policy_loss_fn(loss_mode)
         config = self._actor_config(loss_mode, loss_agg_mode, clip_ratio_low, clip_ratio_high,
                                     clip_ratio_c, denominators)

@@ -11,11 +11,20 @@ not by version string), for the verl adapter (``verl.py``).
 - :func:`require_keyword`: a function of the release must take a keyword the check needs, else
   :class:`~rlaudit.verdict.unsupported.UnsupportedFeature` naming the release (asked before the
   call, so a ``TypeError`` raised inside verl's math stays a finding).
+- :func:`require_global_counts`: ``agg_loss`` takes the global counts (``dp_size`` and the
+  rest) only from verl 0.7 (0.5.0's is ``agg_loss(loss_mat, loss_mask, loss_agg_mode)``).
+- :func:`require_policy_loss`: the loss mode is in the release's ``POLICY_LOSS_REGISTRY`` (0.5.0
+  registers only gpg, clip_cov and kl_cov; its vanilla PPO loss is the unregistered
+  ``compute_policy_loss``) and the release has the ``FSDPActorConfig`` the registered losses
+  read, with ``global_batch_info`` when global counts are given.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+import dataclasses
+import importlib
 
 import torch
 
@@ -48,6 +57,30 @@ def require_keyword(fn: Callable, keyword: str, *, release: str, feature: str,
                                  f"`{keyword}`)", release=release, reason=reason)
 
 
+def require_global_counts(core, *, release: str) -> None:
+    """UnsupportedFeature unless ``core.agg_loss`` takes verl's global-count keywords."""
+    require_keyword(core.agg_loss, "dp_size", release=release,
+                    feature="agg_loss with global token/sequence counts",
+                    reason="present from verl 0.7")
+
+
+def require_policy_loss(core, loss_mode: str, *, release: str, global_counts: bool) -> None:
+    """UnsupportedFeature unless the release registers ``loss_mode`` and has the actor config
+    the registered losses read (with ``global_batch_info`` when ``global_counts``)."""
+    registry = getattr(core, "POLICY_LOSS_REGISTRY", {})
+    if loss_mode not in registry:
+        raise UnsupportedFeature(f"policy loss {loss_mode!r} in its POLICY_LOSS_REGISTRY "
+                                 f"(registered: {', '.join(sorted(registry))})", release=release)
+    try:
+        config = importlib.import_module("verl.workers.config").FSDPActorConfig
+    except (ImportError, AttributeError):
+        raise UnsupportedFeature("verl.workers.config.FSDPActorConfig (the actor config the "
+                                 "registered policy losses read)", release=release) from None
+    if global_counts and "global_batch_info" not in {f.name for f in dataclasses.fields(config)}:
+        raise UnsupportedFeature("global_batch_info in FSDPActorConfig (global counts for the "
+                                 "policy loss)", release=release)
+
+
 def value_loss(core, *, vpreds, values, returns, response_mask, cliprange_value,
                loss_agg_mode, denominators=None):
     """``core.compute_value_loss`` as the release's trainer calls it (module docstring):
@@ -61,4 +94,5 @@ def value_loss(core, *, vpreds, values, returns, response_mask, cliprange_value,
     return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac)}
 
 
-__all__ = ["global_info", "require_keyword", "value_loss"]
+__all__ = ["global_info", "require_global_counts", "require_keyword", "require_policy_loss",
+           "value_loss"]
