@@ -118,7 +118,8 @@ class VerlAdapter(TargetAdapter):
                              f"docs/peers.md)", key="--target") from None
         self.version = str(verl.__version__)
         self.name = f"verl-{self.version}"
-        self.differences = _differences(self.version, self.core)
+        self.differences = (_differences(self.version, self.core)
+                            + verl_compat.differences(self.version, self.core))
         #: verl < 0.8 trains with the legacy FSDP worker's DataParallelPPOActor by default
         #: (``trainer.use_legacy_worker_impl: auto``); 0.8+ has only the engine workers
         self.legacy_actor = importlib.util.find_spec("verl.workers.actor") is not None

@@ -1,6 +1,11 @@
 """What differs between verl releases, read from the installed release's functions (by feature,
 not by version string), for the verl adapter (``verl.py``).
 
+- :func:`differences`: the deliberate conventions of releases whose ``agg_loss`` takes no
+  global counts (verl 0.5): the seq-mean modes average over every row of the batch (N_seq
+  counts rows without a valid token), and ``seq-mean-token-sum-norm`` is the token sum over the
+  width alone (Dr.GRPO's constant normaliser as that release wrote it; verl PR #4510 divided by
+  the row count too).
 - :func:`value_loss`: ``core_algos.compute_value_loss`` called as that release's trainer calls
   it. From 0.9 it takes the global counts (``dp_size``, ``batch_num_tokens``,
   ``global_batch_size``, ``loss_scale_factor``) and ``workers/utils/losses.py`` passes them;
@@ -25,17 +30,54 @@ from typing import Any, Callable
 
 import dataclasses
 import importlib
+import inspect
 
 import torch
 
 from rlaudit.algo.agg import Denominators
 from rlaudit.targets.contract import UnsupportedFeature
 from rlaudit.targets.contract.adapter import accepts
+from rlaudit.targets.contract.declare import Difference
 
 #: verl computes its losses in float32
 DTYPE = torch.float32
 #: the keyword of compute_value_loss that came with global normalisation (verl 0.9)
 GLOBAL_VALUE_KEYWORD = "batch_num_tokens"
+#: verl's core_algos at a release tag
+CORE_AT = "https://github.com/verl-project/verl/blob/v{v}/verl/trainer/ppo/core_algos.py"
+
+
+def source_line(fn, needle: str) -> str:
+    """``#L<n>``: the line of ``fn``'s source holding ``needle`` (its first line if none)."""
+    try:
+        lines, first = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return ""
+    return f"#L{first + next((i for i, ln in enumerate(lines) if needle in ln), 0)}"
+
+
+def differences(version: str, core) -> tuple[Difference, ...]:
+    """The conventions of a release whose ``agg_loss`` takes no global counts (module
+    docstring), linked to the lines of the installed ``core_algos``; none for later ones."""
+    if accepts(core.agg_loss, "dp_size"):
+        return ()
+    at = CORE_AT.format(v=version.split("+")[0])
+    return (
+        Difference(
+            "sequence-mean-over-all-rows",
+            reason="agg_loss's seq-mean modes take torch.mean over the batch's rows, rows "
+                   "without a valid token included (later releases exclude them)",
+            link=at + source_line(core.agg_loss, "torch.mean(seq_losses)"),
+            checks=("agg_loss:*", "value_loss:*"), convention={"seq_count": "all-rows"}),
+        Difference(
+            "token-sum-norm-without-row-count",
+            reason="seq-mean-token-sum-norm divides the batch's token sum by the width alone "
+                   "(Dr.GRPO's constant normaliser, as the release's comment says), not by the "
+                   "row count too (verl PR #4510 added it)",
+            link=at + source_line(core.agg_loss, "loss_mask.shape[-1]"),
+            checks=("agg_loss:parity", "value_loss:parity"),
+            cases=("seq-mean-token-sum-norm",)),
+    )
 
 
 def global_info(denominators: Denominators | None) -> dict[str, Any]:
@@ -94,5 +136,5 @@ def value_loss(core, *, vpreds, values, returns, response_mask, cliprange_value,
     return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac)}
 
 
-__all__ = ["global_info", "require_global_counts", "require_keyword", "require_policy_loss",
+__all__ = ["differences", "global_info", "require_global_counts", "require_keyword", "require_policy_loss",
            "value_loss"]

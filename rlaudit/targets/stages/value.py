@@ -86,12 +86,16 @@ def value_parity(env: StageEnv) -> CheckResult:
     an ignored clip window, a clip around the returns instead of the old values, a missing
     factor 1/2 or a wrong aggregation shows up here."""
     t = env.tally("value_loss:parity")
+    seq_count = env.conventions(t.check).get("seq_count", "valid-rows")
     for label, mode, c in _runs(env):
         for case in env.cases:
             def one(label=label, mode=mode, c=c, case=case):
                 loss, metrics, grad = adapter_value_loss(env, case, mode, c,
                                                          label=f"{label} on {case.name}")
-                want, want_grad, clipfrac = oracle_value_loss(case, mode, c)
+                # the batch's own counts, N_seq as the adapter declares it
+                own = (None if seq_count == "valid-rows"
+                       else Denominators.of(case.mask, seq_count=seq_count))
+                want, want_grad, clipfrac = oracle_value_loss(case, mode, c, own)
                 t.compare(f"{label} on {case.name}", loss, want)
                 t.compare(f"{label} gradient on {case.name}", grad, want_grad, case.mask)
                 if CLIPFRAC in metrics and bool(case.mask.any()):

@@ -67,3 +67,20 @@ def test_a_type_error_inside_the_function_is_not_turned_into_unsupported():
         verl_compat.value_loss(SimpleNamespace(compute_value_loss=broken), vpreds=x, values=x,
                                returns=x, response_mask=x.bool(), cliprange_value=0.2,
                                loss_agg_mode="token-mean")
+
+
+def agg_loss_05(loss_mat, loss_mask, loss_agg_mode):
+    seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+    return torch.mean(seq_losses)
+
+
+def test_releases_without_global_counts_declare_their_row_count_convention():
+    got = verl_compat.differences("0.5.0", SimpleNamespace(agg_loss=agg_loss_05))
+    by_name = {d.name: d for d in got}
+    rows = by_name["sequence-mean-over-all-rows"]
+    assert rows.convention == {"seq_count": "all-rows"}
+    # the link names the release tag and the line of the installed function that averages
+    first = agg_loss_05.__code__.co_firstlineno
+    assert rows.link.endswith(f"/blob/v0.5.0/verl/trainer/ppo/core_algos.py#L{first + 2}")
+    assert by_name["token-sum-norm-without-row-count"].cases == ("seq-mean-token-sum-norm",)
+    assert verl_compat.differences("0.9.1", SimpleNamespace(agg_loss=new_agg_loss)) == ()
