@@ -50,6 +50,7 @@ from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
 from rlaudit.targets.peers import verl_compat
+from rlaudit.targets.peers.registry import import_advice
 
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
@@ -114,8 +115,8 @@ class VerlAdapter(TargetAdapter):
             self.trainer = importlib.import_module("verl.trainer.ppo.ray_trainer")
             self.protocol = importlib.import_module("verl.protocol")
         except ImportError as e:
-            raise InputError(f"cannot import verl's modules: {e} (run `make peers`, see "
-                             f"docs/peers.md)", key="--target") from None
+            raise InputError(f"cannot import verl's modules: {import_advice(e)}",
+                             key="--target") from None
         self.version = str(verl.__version__)
         self.name = f"verl-{self.version}"
         self.differences = (_differences(self.version, self.core)

@@ -178,7 +178,7 @@ def within_token_budget(env: StageEnv) -> CheckResult:
     """Under a token budget of B tokens per micro-batch, both bounds hold. Upper: every
     micro-batch holding more than one row holds at most B tokens (a cutter that picks
     ceil(T / B) micro-batches and balances rows over them can overfill one: verl before PR
-    #7553, https://github.com/verl-project/verl/pull/7553, fixed in 0.9). Lower: a rank whose
+    #7553, https://github.com/verl-project/verl/pull/7553, fixed in 0.9.1). Lower: a rank whose
     rows hold T tokens gets at least ceil(T / B) micro-batches (fewer, and some micro-batch holds
     more than B: pigeonhole). T counts what the model processes for each row, prompt and response
     tokens alike (verl's ``ppo_max_token_len_per_gpu`` sums the attention mask, SkyRL's token
