@@ -71,8 +71,11 @@ def parse(spec: str) -> tuple[str, str | None] | None:
 def activate(name: str, version: str | None = None) -> str | None:
     """Put ``<peers dir>/<name>-<version>`` first on ``sys.path`` (``version`` None: keep an
     installed copy if importable, else the newest directory). Returns the version activated from
-    the peers directory, or None when the environment's own install is used. Peers published
-    only as source snapshots (slime) are found by :func:`source_snapshot`."""
+    the peers directory, or None when the environment's own install is used (a fork installed
+    with ``pip install -e --no-deps``): the newest peers directory is then appended to
+    ``sys.path``, behind everything the environment has, so that the packages ``make peers``
+    installed for the peer (verl's tensordict, ...) resolve while the environment's peer wins.
+    Peers published only as source snapshots (slime) are found by :func:`source_snapshot`."""
     if name in SNAPSHOT_PEERS:
         path, version = source_snapshot(name, version)
         if path is None:
@@ -81,9 +84,12 @@ def activate(name: str, version: str | None = None) -> str | None:
         ACTIVE_SNAPSHOTS[name] = version
         return version
     if version is None:
-        if importlib.util.find_spec(_module_of(name)) is not None:
-            return None
         versions = installed_versions(name)
+        if importlib.util.find_spec(_module_of(name)) is not None:
+            if versions and str(peers_dir() / f"{name}-{versions[-1]}") not in sys.path:
+                sys.path.append(str(peers_dir() / f"{name}-{versions[-1]}"))
+                _refresh_probes()
+            return None
         if not versions:
             raise InputError(f"peer {name!r} is neither installed nor under {peers_dir()} "
                              f"(run `make peers`, see docs/peers.md)", key="--target")
