@@ -2,6 +2,7 @@
 #   make run    set up .venv, then `rlaudit run --all` (sqlite MLflow store under reports/)
 #   make test   set up .venv and the pinned peers, then the test suite (what CI runs: .ci/run)
 #   make peers  install the pinned peers (requirements/peers/*.txt, *.git) under .peers/ (docs/peers.md)
+#   make peers-matrix  every release of every peer audited at stage level: reports/peers-matrix.md
 # GPU machines: `make venv-gpu` then `make nightly-gpu` (see README).
 
 PY ?= python3
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv peers run test test-fast nightly-gpu venv-gpu bench clean constraints
+.PHONY: venv peers peers-matrix run test test-fast nightly-gpu venv-gpu bench clean constraints
 
 venv: $(VENV)/.installed
 
@@ -54,6 +55,12 @@ constraints:
 # instant when its stamp matches its requirements file.
 peers: venv
 	$(BIN)/python -m rlaudit.targets.peers.install
+
+# every release of every peer (requirements/peers/ and requirements/peers-matrix/), installed the
+# same way, audited at stage level: reports/peers-matrix.md and .json (docs/peers.md); ONLY=verl
+# for one peer
+peers-matrix: venv
+	$(BIN)/python -m rlaudit.targets.peers.matrix $(if $(ONLY),--only $(ONLY))
 
 run: venv
 	$(BIN)/rlaudit run --all

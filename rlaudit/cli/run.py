@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from rlaudit import switches
 from rlaudit.cli.argcheck import check_run_options
 from rlaudit.cli.common import DEFAULT_REPORTS, add_location_args, resolve_scenarios
 from rlaudit.cli.golden import orphan_warning
+from rlaudit.cli.result_stream import result_stream
 from rlaudit.errors import EXIT_INTERRUPTED
 from rlaudit.heap import importing
 from rlaudit.quiet import third_party_to_log
@@ -81,8 +83,9 @@ def run(args) -> int:
     # third-party warnings to <report dir>/rlaudit.log; ranks spawned once per invocation
     log = Path(args.report_dir) / "rlaudit.log"
     try:
-        with third_party_to_log(log), warm_pools():
-            return _run(args)
+        # --json: whatever the code under audit prints goes to stderr, the JSON alone to stdout
+        with third_party_to_log(log), warm_pools(), result_stream(args.json) as out:
+            return _run(args, out)
     finally:
         # lazy: the launcher: only commands that start ranks
         from rlaudit.backends.launch import start
@@ -93,7 +96,7 @@ def run(args) -> int:
             print(f"third-party warnings and logs: {log}", file=sys.stderr)
 
 
-def _run(args) -> int:
+def _run(args, out: TextIO) -> int:
     plots: dict = {}  # the report's plots, rendered as scenario results come in (_plots_now)
     if args.target:
         results = _run_target(args)
@@ -151,10 +154,10 @@ def _run(args) -> int:
             # passed (MLflow: the invocation KILLED)
             _report(results, args, plots, interrupted=[r.scenario for r in stopped],
                     shown=results + stopped)
-            _print_results(results + stopped, args, rendered=shown)
+            _print_results(results + stopped, args, out, rendered=shown)
             return EXIT_INTERRUPTED
     _report(results, args, plots)
-    _print_results(results, args, rendered=len(results))
+    _print_results(results, args, out, rendered=len(results))
     # lazy: torch and the engine: kept out of CLI start-up
     from rlaudit.scenarios.outcome import exit_code
     return exit_code(results, require_golden=args.require_golden)
@@ -196,12 +199,13 @@ def interrupted_result(scn, backends: list[str] | None):
                           interrupted=True)
 
 
-def _print_results(results, args, *, rendered: int) -> None:
+def _print_results(results, args, out: TextIO, *, rendered: int) -> None:
     """The JSON of ``results`` (``--json``), or the tables of those past the first
-    ``rendered`` (printed as they came) and the summary."""
+    ``rendered`` (printed as they came) and the summary; the JSON goes to ``out`` (the real
+    stdout, while whatever the code under audit prints goes to stderr)."""
     if args.json:
-        json.dump([r.to_json() for r in results], sys.stdout, indent=1, default=str)
-        print()
+        json.dump([r.to_json() for r in results], out, indent=1, default=str)
+        print(file=out)
         return
     # lazy: report and MLflow modules: kept out of CLI start-up
     from rlaudit.report.console import render_result, render_summary

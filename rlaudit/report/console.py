@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from rlaudit.report.localise_view import console_lines
-from rlaudit.verdict.result import NOTHING_APPLIED, PASSED, STATES, STATUS_ORDER, ScenarioResult
+from rlaudit.verdict.result import (NOTHING_APPLIED, PASSED, STATES, STATUS_ORDER, UNSUPPORTED,
+                                    ScenarioResult)
 
-SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR", "differs": "differs"}
+SYMBOL = {"pass": "pass", "fail": "FAIL", "n/a": "n/a", "error": "ERROR", "differs": "differs",
+          UNSUPPORTED: "unsupported"}
 GOLDEN_SYMBOL = {"pass": "pass", "fail": "FAIL", "stale": "STALE", "no golden": "no golden",
                  "blessed": "BLESSED", "refused": "REFUSED"}
 
@@ -57,10 +59,13 @@ def render_result(res: ScenarioResult) -> str:
     for c in res.checks:
         if c.status == "differs":
             out.append(f"  differs {c.invariant} [{c.backend}] (declared): {c.message}")
+    for c in res.unsupported:
+        out.append(f"  unsupported {c.invariant} [{c.backend}] (not a failure): {c.message}")
     for b in backends:
         mine = [c for c in res.checks if c.backend == b]
         golden = [g for g in res.golden if g.backend == b and g.status != "no golden"]
-        if mine and all(c.status == "n/a" for c in mine) and not golden and b not in res.errors:
+        if mine and all(c.status in ("n/a", UNSUPPORTED) for c in mine) and not golden \
+                and b not in res.errors:
             why = list(dict.fromkeys(c.message for c in mine))
             more = f" (+{len(why) - 2} more reasons)" if len(why) > 2 else ""
             out.append(f"  n/a [{b}]: no check applied to this backend: "
@@ -73,14 +78,23 @@ def render_result(res: ScenarioResult) -> str:
 
 
 def render_summary(results: list[ScenarioResult]) -> str:
-    """"3/5 scenarios passed (1 no golden, 1 failed)", then one line per scenario not passed."""
+    """"3/5 scenarios passed (1 no golden, 1 failed)", then the checks the release under audit
+    could not run (counted apart: neither failed nor passed), then one line per scenario not
+    passed."""
     passed = sum(r.passed for r in results)
     others = [s for s in STATES if s != PASSED and any(r.state == s for r in results)]
     counts = ", ".join(f"{sum(r.state == s for r in results)} {s}" for s in others)
     lines = [f"{passed}/{len(results)} scenarios passed" + (f" ({counts})" if counts else "")]
+    lacking = [c for r in results for c in r.unsupported]
+    if lacking:
+        names = list(dict.fromkeys(c.invariant for c in lacking))
+        more = f" (+{len(names) - 6} more)" if len(names) > 6 else ""
+        lines.append(f"{len(lacking)} check(s) unsupported by the release under audit (not "
+                     f"failures, nothing verified): {', '.join(names[:6])}{more}")
     if results and all(r.state == NOTHING_APPLIED for r in results):
-        lines.append("nothing was checked: every check of every scenario was n/a (the target "
-                     "supports none of what they exercise); exit 1")
+        what = "n/a or unsupported by the release" if lacking else "n/a"
+        lines.append(f"nothing was checked: every check of every scenario was {what} (the "
+                     "target supports none of what they exercise); exit 1")
     for r in results:
         if not r.passed:
             lines.append(f"  {r.state.upper()} {r.scenario}")

@@ -70,8 +70,11 @@ def child_tags(res: ScenarioResult, backend: str, parent_id: str, git: str | Non
         tags["mlflow.source.git.commit"] = git
     for name, status in backend_status(res, backend).items():
         tags[f"invariant.{name}"] = status
-    for c in res.checks:
-        if c.backend in (backend, "*") and c.status in ("fail", "error", "differs") and c.message:
+    mine = [c for c in res.checks if c.backend in (backend, "*")]
+    # checks the release could not run: counted apart, neither failed nor passed
+    tags["rlaudit.unsupported"] = sum(c.status == "unsupported" for c in mine)
+    for c in mine:
+        if c.status in ("fail", "error", "differs", "unsupported") and c.message:
             name = "backend" if c.invariant == "*" else c.invariant
             tags[f"invariant.{name}.message"] = c.message
     if backend in res.errors:

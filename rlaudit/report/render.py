@@ -24,7 +24,7 @@ STATUS_CLASS = {
     "fail": "bad", "FAIL": "bad", "error": "err", "ERROR": "err", "stale": "warn",
     "no golden": "warn", "refused": "bad", "passed": "ok", "failed": "bad", "bad input": "err",
     "interrupted": "err",
-    "drift": "warn", "differs": "warn", "out-of-bounds": "bad", "new": "na",
+    "drift": "warn", "differs": "warn", "out-of-bounds": "bad", "new": "na", "unsupported": "na",
 }
 #: resolution of embedded plots: sharp on a laptop screen, small enough to keep pages < ~1 MB
 PLOT_DPI = 100

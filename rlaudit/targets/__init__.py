@@ -18,10 +18,10 @@ docs/targets.md is the user guide.
 """
 
 from rlaudit.targets.contract import (STAGES, Difference, Stages, TargetAdapter, TrainStepOutput,
-                                      load_adapter)
+                                      UnsupportedFeature, load_adapter)
 
-__all__ = ["STAGES", "Difference", "Stages", "TargetAdapter", "TrainStepOutput", "load_adapter",
-           "run_target"]
+__all__ = ["STAGES", "Difference", "Stages", "TargetAdapter", "TrainStepOutput",
+           "UnsupportedFeature", "load_adapter", "run_target"]
 
 
 def __getattr__(name: str):

@@ -9,8 +9,11 @@ from typing import Any
 PASS, FAIL, NA, ERROR = "pass", "fail", "n/a", "error"
 #: a difference the target declared (rlaudit.targets.Difference): neither pass nor fail
 DIFFERS = "differs"
+#: the release under audit cannot do what the check needs (rlaudit.verdict.unsupported): not a
+#: failure (nothing of the trainer was found wrong) and not a pass (nothing was verified)
+UNSUPPORTED = "unsupported"
 #: worst first: how a cell holding several checks is summarised
-STATUS_ORDER = (ERROR, FAIL, DIFFERS, PASS, NA)
+STATUS_ORDER = (ERROR, FAIL, DIFFERS, UNSUPPORTED, PASS, NA)
 
 #: golden comparison statuses (GoldenResult.status): "no golden" = no golden file, or no entry
 #: for this backend@device; "refused" = a bless the run's own failures did not allow
@@ -21,8 +24,8 @@ GOLDEN_PASS, GOLDEN_FAIL, STALE, NO_GOLDEN, BLESSED, REFUSED = (
 #: while the scenario ran (its own result; the other scenarios still run); "no golden": every
 #: check passed but some backend has nothing to compare against (a failure with
 #: --require-golden); "blessed": goldens were (re)written by this run (never a pass); "n/a":
-#: nothing applied -- every check n/a and no golden compared (a target that supports none of
-#: what the scenario exercises): not a pass, counted apart
+#: nothing applied -- every check n/a or unsupported and no golden compared (a target that
+#: supports none of what the scenario exercises): not a pass, counted apart
 BAD_INPUT, FAILED, BLESSED_STATE, NO_GOLDEN_STATE, NOTHING_APPLIED, PASSED = (
     "bad input", "failed", "blessed", "no golden", "n/a", "passed")
 #: a scenario a Ctrl-C stopped before it finished (ScenarioResult.interrupted): whatever it
@@ -37,7 +40,9 @@ class CheckResult:
     """status: pass | fail | n/a (the check does not apply: a stage not provided, one backend
     only for a parity check, ...) | error (the check itself could not run: a backend crashed) |
     differs (the result departs from the reference exactly where the target declared a semantic
-    difference with a reason and a link; ``details["differences"]`` names them).
+    difference with a reason and a link; ``details["differences"]`` names them) | unsupported
+    (the release under audit lacks a feature the check needs: ``details["unsupported"]`` holds
+    the feature, the release and the adapter's exception text).
 
     message: one line; for failures it names the metric/tensor, value, bound, step and backend.
     details: worst rows/tokens and figures (JSON-able).
@@ -52,7 +57,7 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        return self.status in (PASS, NA, DIFFERS)
+        return self.status in (PASS, NA, DIFFERS, UNSUPPORTED)
 
 
 @dataclass
@@ -109,9 +114,14 @@ class ScenarioResult:
             return BLESSED_STATE
         if NO_GOLDEN in golden:
             return NO_GOLDEN_STATE
-        if not golden and all(c.status == NA for c in self.checks):
+        if not golden and all(c.status in (NA, UNSUPPORTED) for c in self.checks):
             return NOTHING_APPLIED
         return PASSED
+
+    @property
+    def unsupported(self) -> list[CheckResult]:
+        """The checks the release under audit could not run (status ``unsupported``)."""
+        return [c for c in self.checks if c.status == UNSUPPORTED]
 
     @property
     def passed(self) -> bool:
@@ -121,7 +131,8 @@ class ScenarioResult:
     def to_json(self) -> dict[str, Any]:
         runs, self.runs = self.runs, {}
         try:
-            out = asdict(self) | {"passed": self.passed, "state": self.state}
+            out = asdict(self) | {"passed": self.passed, "state": self.state,
+                                  "unsupported": len(self.unsupported)}
             if not out["localisation"]:  # a passing scenario's JSON is unchanged
                 del out["localisation"]
             if not out["interrupted"]:  # nor is a finished one's

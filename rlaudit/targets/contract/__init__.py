@@ -13,5 +13,7 @@ from rlaudit.targets.contract.adapter import STAGES, TargetAdapter, TrainStepOut
 from rlaudit.targets.contract.declare import Difference
 from rlaudit.targets.contract.load import load_adapter
 from rlaudit.targets.contract.stages import Stages
+from rlaudit.verdict.unsupported import UnsupportedFeature
 
-__all__ = ["STAGES", "Difference", "Stages", "TargetAdapter", "TrainStepOutput", "load_adapter"]
+__all__ = ["STAGES", "Difference", "Stages", "TargetAdapter", "TrainStepOutput",
+           "UnsupportedFeature", "load_adapter"]

@@ -15,8 +15,8 @@ other. Stages receive keyword arguments only.
 
 Stages (each optional): the methods of :class:`rlaudit.targets.contract.stages.Stages`, whose
 signatures are the contract (``filter_groups``, ``compute_advantages``, ``apply_kl_in_reward``,
-``kl_penalty``, ``agg_loss``, ``policy_loss``, ``make_microbatches``, ``distill_loss``,
-``train_step``).
+``kl_penalty``, ``agg_loss``, ``policy_loss``, ``value_loss``, ``make_microbatches``,
+``distill_loss``, ``train_step``).
 
 Optional attributes: ``name`` (the column in reports; default the class name),
 ``advantage_estimators``, ``kl_estimators``, ``loss_agg_modes``, ``loss_modes``,
@@ -52,6 +52,9 @@ STAGES: dict[str, str] = {
     "policy_loss": "loss, gradient and metrics vs the reference for every mode and clip "
                    "setting; global-normalisation split; row permutation; masked values; "
                    "metrics are copies",
+    "value_loss": "the critic's clipped value loss, gradient and clip fraction vs the reference "
+                  "for every loss_agg_mode; micro-batch contributions with global denominators "
+                  "sum to the whole-batch value",
     "make_microbatches": "every valid token exactly once; equal micro-batch count per rank; every "
                          "micro-batch (padding ones included) carries every field (SkyRL #1811)",
     "distill_loss": "values vs the reference; nested (jagged) input matches padded input "
@@ -61,7 +64,9 @@ STAGES: dict[str, str] = {
 }
 
 #: Exceptions a stage may raise to say "this name/setting is not implemented here": the case is
-#: reported as skipped (and the check n/a if nothing else ran), never as passed or failed.
+#: reported as skipped (and the check n/a if nothing else ran), never as passed or failed. Its
+#: subclass rlaudit.verdict.unsupported.UnsupportedFeature ("this release lacks what the check
+#: needs", feature and release named) makes the check ``unsupported`` if nothing else ran.
 NOT_SUPPORTED = (NotImplementedError,)
 
 

@@ -41,6 +41,12 @@ class Stages(Protocol):
                     denominators=None) -> Any:
         """(loss scalar, metrics {catalogue name: float | 0-dim tensor})."""
 
+    def value_loss(self, *, vpreds, values, returns, response_mask, cliprange_value,
+                   loss_agg_mode, denominators=None) -> Any:
+        """(loss scalar, metrics {catalogue name: float | 0-dim tensor}, e.g.
+        ``critic/vf_clipfrac``): the clipped value loss of predictions ``vpreds`` [B, R] around
+        the old ``values`` [B, R] towards ``returns`` [B, R]."""
+
     def make_microbatches(self, batch, *, dp_size, micro_batch_size=None,
                           max_token_len=None) -> Any:
         """Per rank, a list of micro-batches (RolloutBatch or {field: tensor})."""

@@ -19,6 +19,7 @@ else ``<peers dir>/slime-<commit>``.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import re
 import sys
@@ -70,18 +71,25 @@ def parse(spec: str) -> tuple[str, str | None] | None:
 def activate(name: str, version: str | None = None) -> str | None:
     """Put ``<peers dir>/<name>-<version>`` first on ``sys.path`` (``version`` None: keep an
     installed copy if importable, else the newest directory). Returns the version activated from
-    the peers directory, or None when the environment's own install is used. Peers published
-    only as source snapshots (slime) are found by :func:`source_snapshot`."""
+    the peers directory, or None when the environment's own install is used (a fork installed
+    with ``pip install -e --no-deps``): the newest peers directory is then appended to
+    ``sys.path``, behind everything the environment has, so that the packages ``make peers``
+    installed for the peer (verl's tensordict, ...) resolve while the environment's peer wins.
+    Peers published only as source snapshots (slime) are found by :func:`source_snapshot`."""
     if name in SNAPSHOT_PEERS:
         path, version = source_snapshot(name, version)
         if path is None:
             return None
         sys.path.insert(0, str(path))
+        ACTIVE_SNAPSHOTS[name] = version
         return version
     if version is None:
-        if importlib.util.find_spec(_module_of(name)) is not None:
-            return None
         versions = installed_versions(name)
+        if importlib.util.find_spec(_module_of(name)) is not None:
+            if versions and str(peers_dir() / f"{name}-{versions[-1]}") not in sys.path:
+                sys.path.append(str(peers_dir() / f"{name}-{versions[-1]}"))
+                _refresh_probes()
+            return None
         if not versions:
             raise InputError(f"peer {name!r} is neither installed nor under {peers_dir()} "
                              f"(run `make peers`, see docs/peers.md)", key="--target")
@@ -113,6 +121,43 @@ def _refresh_probes() -> None:
 
 #: the top-level module each peer installs (for "is it importable already?")
 MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl"}
+
+#: how Python says a module lacks a name: ``cannot import name 'X' from 'pkg.mod' (...)``
+_MISSING_NAME = re.compile(r"cannot import name '(?P<name>[\w.]+)' from '(?P<module>[\w.]+)'")
+
+
+def import_advice(e: ImportError) -> str:
+    """``e`` and what would fix it: a package the peer needs that is missing is `make peers`'
+    job; a name the environment's own package no longer has (a peer release written for an
+    older transformers, say) is not, and says so."""
+    m = _MISSING_NAME.search(str(e))
+    spec = importlib.util.find_spec(m["module"].split(".")[0]) if m else None
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    peers = peers_dir().resolve()
+    # the environment's own package (not a peer, nor anything installed beside one)
+    if (origin is not None and peers not in origin.parents
+            and spec.name not in MODULES.values()):
+        top = spec.name
+        try:
+            have = f"{top} {importlib.metadata.version(top)}"
+        except importlib.metadata.PackageNotFoundError:
+            have = top
+        return (f"cannot import name {m['name']!r} from {m['module']!r}: the environment's "
+                f"{have} has no {m['name']!r}, which this release "
+                f"imports; it needs an older {top} (an environment of its own), which `make "
+                f"peers` does not install (docs/peers.md)")
+    return f"{e} (run `make peers`, see docs/peers.md)"
+
+
+#: snapshot peer -> the commit (or checkout folder name) :func:`activate` put on ``sys.path``
+ACTIVE_SNAPSHOTS: dict[str, str] = {}
+
+
+def snapshot_column(name: str) -> str:
+    """A snapshot peer's report column: ``<name>-<commit>`` as activated, else ``name``."""
+    version = ACTIVE_SNAPSHOTS.get(name)
+    return f"{name}-{version}" if version else name
+
 
 #: peers not on the package index, audited from source snapshots: name -> (environment variable
 #: naming a checkout or a folder of ``<commit>/`` snapshots, the commit used when none is asked)

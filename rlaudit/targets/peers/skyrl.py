@@ -45,6 +45,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers import skyrl_compat
 
 #: the pinned release this adapter was written against (docs/peers.md)
 PINNED = "0.4.0"
@@ -129,6 +130,7 @@ class SkyRLAdapter(TargetAdapter):
 
     name = "skyrl"
     precision = "float32"
+
     # SkyRL's worker averages clip_ratio (a local masked mean) over micro-batches; `*_loss`
     # metrics (policy_loss: the loss on pre-scaled advantages, a contribution) are summed
     # (worker_utils.reduce_metrics(sum_loss_metrics=True))
@@ -174,6 +176,11 @@ class SkyRLAdapter(TargetAdapter):
             checks=("policy_loss:*",), convention={"seq_count": "all-rows"}),
     )
 
+    def __init__(self):
+        # the report column names the release audited (as verl's does)
+        self.version = str(_import_skyrl().version)
+        self.name = f"skyrl-{self.version}"
+
     # ---- advantages ----------------------------------------------------------------------
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,
                            values=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
@@ -214,6 +221,7 @@ class SkyRLAdapter(TargetAdapter):
         if loss_mode not in LOSS_MODES or loss_agg_mode not in LOSS_REDUCTIONS:
             raise NotImplementedError(f"SkyRL has no {loss_mode}/{loss_agg_mode}")
         sky = _import_skyrl()
+        skyrl_compat.require_advantage_scaling(sky)
         cfg = sky.config.AlgorithmConfig(
             policy_loss_type=LOSS_MODES[loss_mode], loss_reduction=LOSS_REDUCTIONS[loss_agg_mode],
             eps_clip_low=float(clip_ratio_low), eps_clip_high=float(clip_ratio_high),
@@ -240,6 +248,7 @@ class SkyRLAdapter(TargetAdapter):
         rank; the token-based iterator's cross-rank MAX of micro-batch counts (an all-reduce in
         SkyRL) is given the ranks' real counts in-process (:func:`_rank_collective`)."""
         sky = _import_skyrl()
+        skyrl_compat.require_microbatch_iterator(sky)
         data = to_training_input(batch, sky)
         with _ray_put_identity(sky):
             shards = sky.dispatch.MeshDispatch.stage_chunks(dp_size, data, [(0, len(batch))])[0]
@@ -278,9 +287,8 @@ def to_training_input(batch: RolloutBatch, sky):
     masks = [t["response_mask"][i, :r].float().tolist() for i, r in enumerate(rl)]
     logprobs = ([t["rollout_log_probs"][i, :r].tolist() for i, r in enumerate(rl)]
                 if "rollout_log_probs" in t else None)
-    (seqs, attn, resp_mask, _rewards, loss_mask, rollout_lp, _experts, _support
-     ) = sky.preprocess.convert_prompts_responses_to_batch_tensors(
-        0, prompts, responses, [[0.0] * r for r in rl], masks, logprobs)
+    seqs, attn, resp_mask, _rewards, loss_mask, rollout_lp = skyrl_compat.batch_tensors(
+        sky, prompts, responses, [[0.0] * r for r in rl], masks, logprobs)
     fields = {"sequences": seqs, "attention_mask": attn, "response_mask": resp_mask,
               "loss_mask": loss_mask, "rollout_logprobs": rollout_lp}
     width = resp_mask.shape[1]

@@ -40,6 +40,7 @@ import torch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers.registry import snapshot_column
 from rlaudit.targets.stages.loss import CLIP_SETTINGS, POLICY_METRICS
 
 _SRC = "https://github.com/THUDM/slime/blob/624b824a898ab0ec1fcb4d373004c7f3852bf515"
@@ -140,6 +141,10 @@ class SlimeAdapter(TargetAdapter):
             link=f"{_SRC}/slime/utils/ppo_utils.py (compute_gspo_kl)",
             checks=("policy_loss:*",), convention={"gspo_gradient": "sequence"}),
     )
+
+    def __init__(self):
+        # the report column names the snapshot audited (slime-<commit>)
+        self.name = snapshot_column("slime")
 
     # ---- KL in reward --------------------------------------------------------------------
     def apply_kl_in_reward(self, *, token_level_scores, old_log_probs, ref_log_probs,

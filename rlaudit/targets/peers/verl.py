@@ -49,6 +49,8 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers import verl_compat
+from rlaudit.targets.peers.registry import import_advice
 
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
@@ -113,11 +115,12 @@ class VerlAdapter(TargetAdapter):
             self.trainer = importlib.import_module("verl.trainer.ppo.ray_trainer")
             self.protocol = importlib.import_module("verl.protocol")
         except ImportError as e:
-            raise InputError(f"cannot import verl's modules: {e} (run `make peers`, see "
-                             f"docs/peers.md)", key="--target") from None
+            raise InputError(f"cannot import verl's modules: {import_advice(e)}",
+                             key="--target") from None
         self.version = str(verl.__version__)
         self.name = f"verl-{self.version}"
-        self.differences = _differences(self.version, self.core)
+        self.differences = (_differences(self.version, self.core)
+                            + verl_compat.differences(self.version, self.core))
         #: verl < 0.8 trains with the legacy FSDP worker's DataParallelPPOActor by default
         #: (``trainer.use_legacy_worker_impl: auto``); 0.8+ has only the engine workers
         self.legacy_actor = importlib.util.find_spec("verl.workers.actor") is not None
@@ -208,6 +211,8 @@ class VerlAdapter(TargetAdapter):
                 "loss_scale_factor": denominators.norm_len}
 
     def agg_loss(self, *, loss_mat, mask, mode, denominators=None):
+        if denominators is not None:
+            verl_compat.require_global_counts(self.core, release=self.name)
         return self.core.agg_loss(loss_mat=self._f32(loss_mat), loss_mask=mask.bool(),
                                   loss_agg_mode=mode, **self._global_info(denominators))
 
@@ -230,6 +235,8 @@ class VerlAdapter(TargetAdapter):
         ``pg_metrics`` (each a local masked mean over this call's tokens) and ``actor/pg_loss``,
         the loss value itself (summed over micro-batches under global counts: a contribution,
         :attr:`metric_reduction`)."""
+        verl_compat.require_policy_loss(self.core, loss_mode, release=self.name,
+                                        global_counts=denominators is not None)
         fn = self.core.get_policy_loss_fn(loss_mode)
         config = self._actor_config(loss_mode, loss_agg_mode, clip_ratio_low, clip_ratio_high,
                                     clip_ratio_c, denominators)
@@ -240,6 +247,10 @@ class VerlAdapter(TargetAdapter):
                if k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl")}
         out["actor/pg_loss"] = float(loss.detach())     # ppo_loss: metrics["actor/pg_loss"]
         return loss, out
+
+    def value_loss(self, **kw):
+        """``core_algos.compute_value_loss`` as this release's trainer calls it (verl_compat)."""
+        return verl_compat.value_loss(self.core, **kw)
 
     # ---- micro-batching ----------------------------------------------------------------------
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,

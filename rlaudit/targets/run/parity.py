@@ -17,6 +17,7 @@ from rlaudit.targets.contract.declare import Declarations
 from rlaudit.targets.run.target_backend import missing
 from rlaudit.verdict.compare import compare_runs
 from rlaudit.verdict.result import DIFFERS, ERROR, FAIL, NA, PASS, CheckResult
+from rlaudit.verdict.unsupported import UnsupportedFeature, unsupported_result
 
 #: invariants that compare the target with the reference run by run
 PARITY_INVARIANTS = ("backend-parity", "dp-invariance")
@@ -53,9 +54,14 @@ def apply_differences(results: list[CheckResult], target: str, decl: Declaration
 
 
 def check_invariant(inv_name: str, ctx: CheckContext, target: str, adapter: object,
-                    skipped: dict[str, str]) -> list[CheckResult]:
+                    skipped: dict[str, str],
+                    unsupported: dict[str, UnsupportedFeature] | None = None
+                    ) -> list[CheckResult]:
     """One invariant: n/a for the target when it lacks a variant or data (the reference is still
-    checked); parity invariants compare the target with the reference (:func:`target_parity`)."""
+    checked), ``unsupported`` when every variant it lacks is one the release cannot run
+    (``unsupported``: variant name -> the adapter's exception); parity invariants compare the
+    target with the reference (:func:`target_parity`)."""
+    unsupported = unsupported or {}
     inv = INVARIANTS.get(inv_name)
     out: list[CheckResult] = []
     runs = ctx.runs.get(target)
@@ -74,7 +80,11 @@ def check_invariant(inv_name: str, ctx: CheckContext, target: str, adapter: obje
             f"{v} ({skipped.get(v, 'not returned')})" for v in absent[:2])
                if absent else missing(inv_name, {v: runs[v] for v in needed}, configs, universe))
         if why:
-            out.append(CheckResult(inv_name, target, NA, why))
+            lacked = {v: unsupported[v] for v in absent if v in unsupported}
+            out.append(unsupported_result(inv_name, target, lacked, note=f" (variant(s) "
+                                          f"{', '.join(absent[:3])})")
+                       if absent and len(lacked) == len(absent)
+                       else CheckResult(inv_name, target, NA, why))
             sub = dataclasses.replace(ctx, runs={b: r for b, r in ctx.runs.items()
                                                  if b != target})
         elif inv_name in PARITY_INVARIANTS:

@@ -48,6 +48,7 @@ from rlaudit.targets.run.parity import apply_differences, check_invariant
 from rlaudit.targets.run.target_backend import TargetBackend
 from rlaudit.targets.stages.suite import run_stage_checks
 from rlaudit.verdict.result import NA, CheckResult, ScenarioResult
+from rlaudit.verdict.unsupported import UnsupportedFeature
 
 
 def run_target(target: str | object, scenario_names: list[str] | None = None,
@@ -172,6 +173,10 @@ class TargetPolicy(ScenarioPolicy):
                 done.append((b, backend.replay(request)))
             except InputError:
                 raise
+            except UnsupportedFeature as e:  # the adapter: this release runs none of them
+                for v in request.variants:
+                    self.target.skipped[v.name], self.target.unsupported[v.name] = str(e), e
+                done.append((b, {}))
             except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
                 done.append((b, f"{type(e).__name__}: {e}"))
             except (Exception, SystemExit) as e:  # a crashing trainer: a finding, with traceback
@@ -181,7 +186,8 @@ class TargetPolicy(ScenarioPolicy):
     def checks(self, scn: Scenario, ctx: CheckContext) -> list[CheckResult]:
         def checks() -> list[CheckResult]:
             return [r for inv in scn.invariants for r in apply_differences(
-                check_invariant(inv, ctx, self.name, self.adapter, self.target.skipped),
+                check_invariant(inv, ctx, self.name, self.adapter, self.target.skipped,
+                                self.target.unsupported),
                 self.name, self.decl)]
 
         found = checks()

@@ -9,7 +9,9 @@ listed read only metrics and the input batch.
 
 An adapter with a ``replay(request)`` method (rlaudit's own backends, see contract/own_adapters.py)
 is handed the whole request instead. Variants whose config the adapter does not ``supports`` are
-skipped and recorded in :attr:`TargetBackend.skipped`.
+skipped and recorded in :attr:`TargetBackend.skipped`; a variant whose ``train_step`` raised
+:class:`~rlaudit.verdict.unsupported.UnsupportedFeature` (the release lacks what it needs) is
+skipped too, and recorded in :attr:`TargetBackend.unsupported` as well.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from rlaudit.targets.contract.adapter import (TrainStepOutput, adapter_name, met
                                               supports)
 from rlaudit.targets.contract.guard import batch_state, unchanged_since
 from rlaudit.update.plan import describe_micro
+from rlaudit.verdict.unsupported import UnsupportedFeature
 from rlaudit.backends.reference import DTYPES
 from rlaudit.model.load import load_model
 
@@ -159,6 +162,8 @@ class TargetBackend:
         self.adapter = adapter
         self.name = adapter_name(adapter)
         self.skipped: dict[str, str] = {}
+        #: per variant name, what the release lacks to run it (also in ``skipped``)
+        self.unsupported: dict[str, UnsupportedFeature] = {}
         #: per variant name, the batch handed to the adapter instead of the variant's own (the
         #: unfiltered rows for a self-filtering target: rlaudit/targets/inputs/dynamic_sampling.py);
         #: outputs are still laid out and checked against the variant's batch
@@ -187,7 +192,13 @@ class TargetBackend:
         if callable(replay):
             todo = [dataclasses.replace(v, batch=self.inputs.get(v.name, v.batch)) for v in todo]
             return replay(dataclasses.replace(request, variants=todo))
-        return {v.name: self._run(request, v) for v in todo}
+        runs = {}
+        for v in todo:
+            try:
+                runs[v.name] = self._run(request, v)
+            except UnsupportedFeature as e:   # the adapter said it: not the trainer failing
+                self.skipped[v.name], self.unsupported[v.name] = str(e), e
+        return runs
 
     def _run(self, request: ReplayRequest, variant: Variant) -> VariantRun:
         batch = self.inputs.get(variant.name, variant.batch)

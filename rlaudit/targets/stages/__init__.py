@@ -6,13 +6,14 @@ check family, registered under ``"<stage>:<property>"``.
 
 - ``registry.py``: the registry, :class:`StageEnv` (what a check is handed) and :class:`Tally`.
 - ``advantage.py`` (advantages, KL in reward, KL estimators), ``agg.py``, ``loss.py`` (policy and
-  distillation losses), ``batch.py`` (micro-batching, train_step), ``filter.py`` (DAPO's group
-  filter), ``identity.py`` (identities and config effects), ``mutation.py`` (no-mutation).
+  distillation losses), ``value.py`` (the critic's value loss), ``batch.py`` (micro-batching,
+  train_step), ``filter.py`` (DAPO's group filter), ``identity.py`` (identities and config
+  effects), ``mutation.py`` (no-mutation).
 - ``suite.py``: :func:`run_stage_checks`, the pseudo-scenario ``"stages"``.
 """
 
 from rlaudit.targets.stages import (advantage, agg, batch, filter,  # noqa: F401  (register
-                                    identity, loss, mutation)        # their checks)
+                                    identity, loss, mutation, value)  # their checks)
 from rlaudit.targets.stages.registry import StageCheck, StageEnv, Tally, stage_check
 from rlaudit.targets.stages.suite import run_stage_checks, stage_checks
 

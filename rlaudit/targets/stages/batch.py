@@ -175,27 +175,33 @@ def equal_count(env: StageEnv) -> CheckResult:
 
 @stage_check("make_microbatches", "within-token-budget", "metamorphic")
 def within_token_budget(env: StageEnv) -> CheckResult:
-    """Under a token budget of B tokens per micro-batch, a rank whose rows hold T tokens gets at
-    least ceil(T / B) micro-batches: fewer, and some micro-batch holds more than B (pigeonhole).
-    T counts what the model processes for each row, prompt and response tokens alike (verl's
-    ``ppo_max_token_len_per_gpu`` sums the attention mask, SkyRL's token iterator too), taken
-    from the batch for every row a rank's micro-batches hold. Only the lower bound is held: a
-    balanced partition into ceil(T / B) micro-batches (verl 0.7) may put more than B into one.
-    A rank holding a row longer than B alone is left out (verl asserts that away); layouts by
-    count are not this check's."""
+    """Under a token budget of B tokens per micro-batch, both bounds hold. Upper: every
+    micro-batch holding more than one row holds at most B tokens (a cutter that picks
+    ceil(T / B) micro-batches and balances rows over them can overfill one: verl before PR
+    #7553, https://github.com/verl-project/verl/pull/7553, fixed in 0.9.1). Lower: a rank whose
+    rows hold T tokens gets at least ceil(T / B) micro-batches (fewer, and some micro-batch holds
+    more than B: pigeonhole). T counts what the model processes for each row, prompt and response
+    tokens alike (verl's ``ppo_max_token_len_per_gpu`` sums the attention mask, SkyRL's token
+    iterator too), taken from the batch for the rows with a valid token only (a row without one
+    is not counted, so neither bound can fail on a row a trainer may leave out). A row longer
+    than B alone in its micro-batch is within its contract (no trainer splits a row), and a rank
+    holding one is left out of the lower bound (verl asserts that away); layouts by count are
+    not this check's."""
     def body(t, batch, label, layout, ranks):
         seq = batch.sequence_lengths().tolist()
         where = {row_key(batch.tensors, i): seq[i] for i in range(len(batch))}
         budget = layout.max_token_len
         for r, micros in enumerate(ranks):
-            held = []       # prompt + response lengths of the rows rank r's micro-batches hold
-            for mb in micros:
-                if not all(f in mb for f in _KEY_FIELDS + ("response_mask",)):
+            per_micro = [_held_lengths(mb, where) for mb in micros]
+            for j, rows in enumerate(per_micro):
+                if len(rows) < 2:
                     continue
-                for i in range(mb["response_mask"].shape[0]):
-                    key = row_key(mb, i)
-                    if key in where and bool(mb["response_mask"][i].any()):
-                        held.append(where[key])
+                t.checked += 1
+                if sum(rows) > budget:
+                    t.fail(f"{label}: rank {r} micro-batch {j} holds {sum(rows)} tokens (prompt "
+                           f"+ response of {len(rows)} rows: {rows}) over the budget of "
+                           f"{budget} per micro-batch")
+            held = [n for rows in per_micro for n in rows]
             if not held or max(held) > budget:
                 continue
             t.checked += 1
@@ -207,7 +213,17 @@ def within_token_budget(env: StageEnv) -> CheckResult:
                        f"of the count?)")
     return layouts(env, "make_microbatches:within-token-budget", body,
                     token_budgets_only=True).result(
-        "token-budget layouts give every rank enough micro-batches")
+        "token-budget layouts keep every micro-batch within the budget and give every rank "
+        "enough micro-batches")
+
+
+def _held_lengths(mb: Mapping[str, torch.Tensor], where: Mapping[tuple, int]) -> list[int]:
+    """Prompt + response lengths (from the batch, ``where``: row key -> length) of the rows of
+    ``mb`` that have a valid token; empty when ``mb`` lacks the fields that identify rows."""
+    if not all(f in mb for f in _KEY_FIELDS + ("response_mask",)):
+        return []
+    return [where[key] for i in range(mb["response_mask"].shape[0])
+            if (key := row_key(mb, i)) in where and bool(mb["response_mask"][i].any())]
 
 
 def _signature(mb: Mapping[str, torch.Tensor]) -> dict[str, tuple]:

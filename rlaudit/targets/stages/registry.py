@@ -5,7 +5,9 @@ the reference, metamorphic relations and no-mutation, on the deterministic input
 Each check is registered under ``"<stage>:<property>"`` with its family (docs/targets.md, the
 check table) and gives one :class:`~rlaudit.verdict.result.CheckResult` for the adapter: ``fail`` with the first
 problems (case, name, worst token), ``n/a`` when the stage is not provided or every name it was
-asked about is declared or raised as unsupported (``NotImplementedError``), ``pass`` otherwise.
+asked about is declared or raised as not implemented (``NotImplementedError``), ``unsupported``
+when nothing ran and the adapter said the release lacks what was needed
+(:class:`~rlaudit.verdict.unsupported.UnsupportedFeature`), ``pass`` otherwise.
 :func:`run_stage_checks` runs them all and returns the pseudo-scenario ``"stages"``.
 
 The checks live one module per family beside this one (``advantage.py``, ``agg.py``,
@@ -27,6 +29,7 @@ from rlaudit.targets.inputs.cases import Case, default_cases
 from rlaudit.verdict.result import DIFFERS, FAIL, NA, PASS, CheckResult
 from rlaudit.verdict.tensors import compare_tensors
 from rlaudit.verdict.tolerance import Tolerance
+from rlaudit.verdict.unsupported import UnsupportedFeature, unsupported_result
 
 
 #: float64 comparisons of the same formula computed in another order
@@ -125,6 +128,8 @@ class Tally:
         self.problems: list[str] = []
         self.declared: dict[str, list[str]] = {}
         self.skipped: dict[str, str] = {}
+        #: name -> the adapter's UnsupportedFeature: what this release could not run
+        self.unsupported: dict[str, UnsupportedFeature] = {}
         self.checked = 0
         self.drift = 0.0
 
@@ -173,6 +178,11 @@ class Tally:
     def skip(self, name: str, why: str) -> None:
         self.skipped[name] = why
 
+    def lacks(self, name: str, error: UnsupportedFeature) -> None:
+        """``name`` could not run: the release lacks a feature (listed with the skipped ones)."""
+        self.skipped[name] = str(error)
+        self.unsupported[name] = error
+
     def result(self, what: str) -> CheckResult:
         skipped = (f"; skipped (not supported): {', '.join(sorted(self.skipped))}"
                    if self.skipped else "")
@@ -190,6 +200,12 @@ class Tally:
             msg = "; ".join(self.problems[:MAX_QUOTED]) + (f" (+{more} more)" if more > 0 else "")
             return CheckResult(self.check, self.backend, FAIL, msg + tol,
                                {**details, "problems": self.problems[:50]}, self.drift)
+        if self.unsupported:
+            details["unsupported"] = {n: e.details() for n, e in self.unsupported.items()}
+        if not self.checked and self.unsupported:
+            res = unsupported_result(self.check, self.backend, self.unsupported)
+            res.details = {**details, **res.details}
+            return res
         if not self.checked:
             return CheckResult(self.check, self.backend, NA,
                                f"nothing to check{skipped or ''}", details)
@@ -205,9 +221,12 @@ class Tally:
 def attempt(tally: Tally, name: str, fn: Callable[[], None], *, skip_as: str | None = None
             ) -> None:
     """Run one comparison; a stage saying NotImplementedError marks ``skip_as`` (default
-    ``name``) skipped; a stage raising anything else is a failure naming the case."""
+    ``name``) skipped (UnsupportedFeature: unsupported by the release); a stage raising
+    anything else is a failure naming the case."""
     try:
         fn()
+    except UnsupportedFeature as e:
+        tally.lacks(skip_as or name, e)
     except NOT_SUPPORTED as e:
         tally.skip(skip_as or name, str(e) or "NotImplementedError")
     except AdapterRaised as e:

@@ -11,6 +11,7 @@ from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import STAGES, has_stage
 from rlaudit.targets.stages.registry import STAGE_CHECKS, StageCheck, StageEnv
 from rlaudit.verdict.result import ERROR, NA, CheckResult, ScenarioResult
+from rlaudit.verdict.unsupported import UnsupportedFeature, unsupported_result
 
 
 def stage_checks() -> dict[str, StageCheck]:
@@ -41,6 +42,8 @@ def run_stage_checks(adapter: object, *, stages: list[str] | None = None,
             res.checks.append(check.fn(env))
         except InputError:      # the adapter's declarations are wrong (exit 2), not a finding
             raise
+        except UnsupportedFeature as e:  # said by the adapter outside attempt(): whole check
+            res.checks.append(unsupported_result(check.name, name, {check.stage: e}))
         except (Exception, SystemExit) as e:  # a bug in the check, or the adapter outside attempt()
             res.checks.append(CheckResult(check.name, name, ERROR,
                                           f"the check raised {type(e).__name__}: {e}",

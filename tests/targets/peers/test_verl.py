@@ -126,7 +126,8 @@ def test_verl_071(tmp_path):
     failed = {k for k, c in checks.items() if c["status"] in ("fail", "error")}
     assert code == 1, stderr[-2000:]
     assert failed == {"compute_advantages:parity", "policy_loss:parity",
-                      "make_microbatches:equal-count-per-rank"}, \
+                      "make_microbatches:equal-count-per-rank",
+                      "make_microbatches:within-token-budget", "value_loss:global-split"}, \
         {k: checks[k]["message"] for k in failed}
     problems = {k: checks[k]["details"]["problems"] for k in failed}
     # only REINFORCE++ (not its -baseline) differs among the estimators ...
@@ -137,3 +138,13 @@ def test_verl_071(tmp_path):
                for p in problems["policy_loss:parity"]), problems["policy_loss:parity"]
     # ... and only the token-budget layouts (DataProto.split by count gives equal counts)
     assert all("max_token_len" in p for p in problems["make_microbatches:equal-count-per-rank"])
+    # rearrange_micro_batches cuts ceil(T / B) micro-batches (fixed by verl PR #7553): rank 0 of
+    # dp=2 holds rows of 10, 10, 9, 9, 9, 7 tokens (54) under a budget of 16, so 4 micro-batches;
+    # two of them hold two rows, and past 7 + 9 = 16 every pair left holds at least 9 + 9 = 18
+    over = problems["make_microbatches:within-token-budget"]
+    assert "dp=2, max_token_len=16: rank 0 micro-batch" in over[0] and "holds 18 tokens" in over[0]
+    assert all("over the budget" in p for p in over), over
+    # compute_value_loss takes no global counts before 0.9 (verl PR #6957): each micro-batch is
+    # normalised by its own, so the micro-batch losses do not sum to the whole batch's
+    assert all("sum of micro-batch losses" in p or "micro-batch gradients" in p
+               for p in problems["value_loss:global-split"])

@@ -1,0 +1,50 @@
+"""docs/peers.md's fork routes, on stand-ins: a fork importable from the environment (``pip
+install -e --no-deps``) keeps winning, and still finds the packages ``make peers`` installed for
+the peer; a fork in a ``--target`` directory of its own is found by its version."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from rlaudit.errors import InputError
+from rlaudit.targets.peers import registry
+
+
+def _package(root, name: str, text: str = "") -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(text)
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("RLAUDIT_PEERS_DIR", str(tmp_path / "peers"))
+    for mod in ("verl", "fake_dep_of_verl"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    yield tmp_path
+    for mod in ("verl", "fake_dep_of_verl"):
+        sys.modules.pop(mod, None)
+
+
+def test_an_editable_fork_wins_and_finds_its_dependencies(clean):
+    fork = clean / "fork"
+    _package(fork, "verl", "WHO = 'fork'\nimport fake_dep_of_verl\n")
+    pinned = clean / "peers" / "verl-0.9.1"
+    _package(pinned, "verl", "WHO = 'pinned'\n")
+    _package(pinned, "fake_dep_of_verl")
+    sys.path.insert(0, str(fork))                 # what `pip install -e` makes importable
+    importlib.invalidate_caches()
+    assert registry.activate("verl") is None      # the environment's verl is used ...
+    assert importlib.import_module("verl").WHO == "fork"   # ... and imports its dependency
+    assert sys.path[-1] == str(pinned)            # from behind everything the environment has
+
+
+def test_a_fork_in_its_own_target_directory_is_found_by_version(clean):
+    _package(clean / "peers" / "verl-0.9.1+mine", "verl", "WHO = 'mine'\n")
+    assert registry.activate("verl", "0.9.1+mine") == "0.9.1+mine"
+    assert importlib.import_module("verl").WHO == "mine"
+    with pytest.raises(InputError, match=r"installed: 0.9.1\+mine"):
+        registry.activate("verl", "0.9.2")
