@@ -34,6 +34,7 @@ PEERS: dict[str, str] = {
     "slime": "rlaudit.targets.peers.slime:SlimeAdapter",
 }
 PEERS["trl"] = "rlaudit.targets.peers.trl:TRLAdapter"
+PEERS["openrlhf"] = "rlaudit.targets.peers.openrlhf:OpenRLHFAdapter"
 
 _SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9A-Za-z][0-9A-Za-z.+-]*))?$")
 
@@ -112,7 +113,8 @@ def _refresh_probes() -> None:
 
 
 #: the top-level module each peer installs (for "is it importable already?")
-MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl"}
+MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl",
+                           "openrlhf": "openrlhf"}
 
 #: peers not on the package index, audited from source snapshots: name -> (environment variable
 #: naming a checkout or a folder of ``<commit>/`` snapshots, the commit used when none is asked)
