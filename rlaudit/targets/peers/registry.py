@@ -35,6 +35,7 @@ PEERS: dict[str, str] = {
 }
 PEERS["trl"] = "rlaudit.targets.peers.trl:TRLAdapter"
 PEERS["openrlhf"] = "rlaudit.targets.peers.openrlhf:OpenRLHFAdapter"
+PEERS["areal"] = "rlaudit.targets.peers.areal:ArealAdapter"
 
 _SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9A-Za-z][0-9A-Za-z.+-]*))?$")
 
@@ -114,7 +115,7 @@ def _refresh_probes() -> None:
 
 #: the top-level module each peer installs (for "is it importable already?")
 MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl",
-                           "openrlhf": "openrlhf"}
+                           "openrlhf": "openrlhf", "areal": "areal"}
 
 #: peers not on the package index, audited from source snapshots: name -> (environment variable
 #: naming a checkout or a folder of ``<commit>/`` snapshots, the commit used when none is asked)
