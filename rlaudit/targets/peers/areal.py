@@ -37,6 +37,7 @@ import torch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers.openrlhf_declared import KL_CLAMP_CASES
 
 PINNED = "1.0.4"
 BLOB = "https://github.com/inclusionAI/AReaL/blob/v{v}/areal/"
@@ -161,6 +162,13 @@ def _differences(version: str, mods) -> tuple:
             link=blob + "trainer/ppo/actor.py (PPOActor._compute_advantages)",
             checks=("compute_advantages:parity",),
             cases=("reinforce_plus_plus_baseline returns on",)),
+        Difference(
+            "kl-value-clamp-10",
+            reason="KLEstimator clamps every estimator's per-token value to [-10, 10] "
+                   "(apply_clamp=True; k1 and k2 too, rlaudit clamps k3 only), with gradient 0 "
+                   "where the clamp acts; the fixed stage cases stay far inside it",
+            link=blob + "utils/data.py (KLEstimator._compute_approx_kl)",
+            checks=("kl_penalty:parity",), cases=KL_CLAMP_CASES),
         Difference(
             "gspo-sequence-gradient",
             reason="GSPO's sequence ratio is differentiated through the sequence mean",

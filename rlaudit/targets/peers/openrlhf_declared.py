@@ -23,6 +23,10 @@ def line_of(fn, needle: str = "") -> str:
     return f"#L{first + offset}"
 
 
+#: the problems the value clamp explains: k1 / k2 (and k1+'s value) comparisons, never k3's
+KL_CLAMP_CASES = ("k1 on", "k1 gradient on", "k2 on", "k2 gradient on", "k1+ on", "(k1)", "(k2)")
+
+
 def differences(version: str, orl) -> tuple:
     """OpenRLHF ``version``'s documented, deliberate differences from rlaudit's reference,
     linked to the lines of the installed modules (``orl``: :func:`.openrlhf_import.
@@ -67,6 +71,16 @@ def differences(version: str, orl) -> tuple:
             checks=("compute_advantages:parity",),
             cases=("reinforce_plus_plus_baseline returns on",)),
     ]
+    out.append(Difference(
+        "kl-value-clamp-10",
+        reason="every KL estimator's per-token value is clamped to [-10, 10] (k1 and k2 too; "
+               "rlaudit, like verl, clamps k3 only), with gradient 0 where the clamp acts; the "
+               "fixed stage cases stay far inside it, the fuzzer's log-ratios up to 10 do not",
+        link=blob + "models/utils.py" + line_of(orl.utils.compute_approx_kl,
+                                                "clamp(min=-10, max=10)"),
+        checks=("kl_penalty:parity", "apply_kl_in_reward:parity",
+                "apply_kl_in_reward:stored-kl-unaltered"),
+        cases=KL_CLAMP_CASES))
     loss = orl.loss
     if hasattr(loss, "aggregate_loss"):
         out.append(Difference(
