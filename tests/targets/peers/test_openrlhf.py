@@ -20,6 +20,8 @@ from peer_cli import run_cli, statuses
 from rlaudit.targets import peers
 
 PINNED, BUGGY = "0.11.2", "0.10.2"
+#: every test imports the peer (20-45 s) or runs the CLI over it
+pytestmark = pytest.mark.slow
 
 
 def _installed(version: str) -> None:
@@ -40,7 +42,6 @@ def orl():
 
 # ---- the audit, as a user runs it ----------------------------------------------------------
 
-@pytest.mark.slow
 def test_pinned_release_passes_with_only_declared_differences(tmp_path):
     _installed(PINNED)
     rc, checks, err = run_cli(tmp_path, f"openrlhf=={PINNED}")
@@ -60,7 +61,6 @@ def test_pinned_release_passes_with_only_declared_differences(tmp_path):
     assert got["train_step:metrics-are-copies"] == "n/a"
 
 
-@pytest.mark.slow
 def test_release_before_the_empty_row_fix_is_red(tmp_path):
     _installed(BUGGY)
     rc, checks, _ = run_cli(tmp_path, f"openrlhf=={BUGGY}")
