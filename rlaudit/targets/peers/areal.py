@@ -31,6 +31,7 @@ import contextlib
 import functools
 import importlib
 import importlib.metadata
+from types import SimpleNamespace
 
 import torch
 
@@ -66,8 +67,7 @@ def import_areal():
         raise InputError(f"AReaL is not importable ({e}); install it with `make peers` "
                          f"(requirements/peers/areal-{PINNED}.txt, docs/peers.md)",
                          key="--target") from None
-    mods["version"] = importlib.metadata.version("areal")
-    return type("AReaL", (), mods)
+    return SimpleNamespace(version=importlib.metadata.version("areal"), **mods)
 
 
 @contextlib.contextmanager
@@ -123,7 +123,7 @@ def sequence_batch(mask, rewards, token_rewards, values) -> dict:
     return data
 
 
-def _differences(version: str, mods) -> tuple:
+def _differences(version: str) -> tuple:
     blob = BLOB.format(v=version)
     return (
         Difference(
@@ -199,7 +199,7 @@ class ArealAdapter(TargetAdapter):
     def __init__(self):
         self.mods = import_areal()
         self.version = self.mods.version
-        self.differences = _differences(self.version, self.mods)
+        self.differences = _differences(self.version)
 
     # ---- advantages --------------------------------------------------------------------------
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,
