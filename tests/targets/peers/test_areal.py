@@ -31,6 +31,7 @@ PINNED = "1.0.4"
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).with_name("areal_probe.py")
+TRAIN_PROBE = Path(__file__).with_name("areal_train_probe.py")
 
 
 def _installed() -> None:
@@ -129,3 +130,21 @@ def test_dual_clip_caps_a_negative_advantage(probe):
 
 def test_unequal_groups_are_not_supported_rather_than_wrong(probe):
     assert "same size" in probe["unequal_groups"]
+
+
+def test_own_update_runs_on_cpu_and_raises_rewarded_log_probs(tmp_path):
+    # AReaL's FSDP engine and PPOActor._ppo_update on its CPU platform (areal_train_probe.py):
+    # one SGD step on a loss whose every advantage is +1 must raise the mean log-prob of the
+    # trained tokens (first order: lr * |grad|^2 > 0); a sign error would lower it
+    _installed()
+    out = tmp_path / "train.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    model = REPO / "scenarios" / "models" / "qwen2-tiny"
+    proc = subprocess.run([sys.executable, str(TRAIN_PROBE), PINNED, str(model), str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["device"] == "cpu"
+    assert got["advantages"] == [1.0, 1.0]
+    assert got["after"] > got["before"] + 1e-3, got
