@@ -35,6 +35,8 @@ PEERS: dict[str, str] = {
     "slime": "rlaudit.targets.peers.slime:SlimeAdapter",
 }
 PEERS["trl"] = "rlaudit.targets.peers.trl:TRLAdapter"
+PEERS["openrlhf"] = "rlaudit.targets.peers.openrlhf:OpenRLHFAdapter"
+PEERS["areal"] = "rlaudit.targets.peers.areal:ArealAdapter"
 
 _SPEC = re.compile(r"^(?P<name>[a-z][a-z0-9_-]*)(==(?P<version>[0-9A-Za-z][0-9A-Za-z.+-]*))?$")
 
@@ -120,7 +122,8 @@ def _refresh_probes() -> None:
 
 
 #: the top-level module each peer installs (for "is it importable already?")
-MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl"}
+MODULES: dict[str, str] = {"verl": "verl", "skyrl": "skyrl", "slime": "slime", "trl": "trl",
+                           "openrlhf": "openrlhf", "areal": "areal"}
 
 #: how Python says a module lacks a name: ``cannot import name 'X' from 'pkg.mod' (...)``
 _MISSING_NAME = re.compile(r"cannot import name '(?P<name>[\w.]+)' from '(?P<module>[\w.]+)'")
