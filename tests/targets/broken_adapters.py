@@ -415,6 +415,14 @@ class _FilterRetakesScores(toy.ToyTrainer):
         return {**kept, "scores": data["scores"][:len(kept["index"])]}
 
 
+class _FilterRetakesMetricColumn(toy.ToyTrainer):
+    @staticmethod
+    def filter_groups(data, metric):     # the metric kept as a batch column (verl's recipe keeps
+        data = {**data, "seq_final_reward": metric}     # it under its name), the DAPO filter,
+        kept = toy.ToyTrainer.filter_groups(data, metric)   # then the column re-taken unfiltered
+        return {**kept, "seq_final_reward": data["seq_final_reward"][:len(kept["index"])]}
+
+
 class _SequenceISFromMeanLogRatio(toy.ToyTrainer):
     def importance_weights(self, data):      # "sequence" weight from the mean log-ratio
         if self.cfg.rollout_is != "sequence":
@@ -543,6 +551,7 @@ ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trai
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
 FilterMisalignsScores = toy_with(_FilterRetakesScores, "filter-misaligns-scores")
+FilterRetakesMetric = toy_with(_FilterRetakesMetricColumn, "filter-retakes-metric")
 PenaltyInEveryFilterMetric = toy_with(_PenaltyInEveryFilterMetric,
                                       "penalty-in-every-filter-metric")
 KLLossSignFlipped = toy_with(_KLLossSignFlipped, "kl-loss-sign-flipped")
