@@ -434,6 +434,12 @@ class _SequenceISFromMeanLogRatio(toy.ToyTrainer):
         return w.expand_as(log_ratio) * mask
 
 
+class _TokenISInverted(toy.ToyTrainer):
+    def importance_weights(self, data):      # exp(rollout - old): the ratio upside down
+        return super().importance_weights({**data, "old_log_probs": data["rollout_log_probs"],
+                                           "rollout_log_probs": data["old_log_probs"]})
+
+
 class _SequenceISPerToken(toy.ToyTrainer):
     def importance_weights(self, data):      # "sequence" computed with token ratios
         if self.cfg.rollout_is == "sequence":
@@ -559,6 +565,27 @@ CPMetricsReducedTwice = toy_with(_CPMetricsReducedTwice, "cp-metrics-reduced-twi
 CPLossScaledBySize = toy_with(_CPLossScaledBySize, "cp-loss-scaled-by-size")
 SequenceISFromMean = toy_with(_SequenceISFromMeanLogRatio, "sequence-is-from-mean")
 SequenceISPerToken = toy_with(_SequenceISPerToken, "sequence-is-per-token")
+
+
+class TokenISOnly(ToyAdapter):
+    """A correct trainer whose rollout importance sampling has the token level only."""
+
+    name = "token-is-only"
+
+    def supports(self, config):
+        ok, why = super().supports(config)
+        level = config.actor.rollout_correction.rollout_is
+        if level in ("sequence", "geometric"):
+            return False, ", ".join(filter(None, [why, f"rollout_is {level}"]))
+        return ok, why
+
+
+class TokenISInverted(TokenISOnly):
+    """Token-level IS only, with the ratio inverted: exp(rollout - old) instead of
+    exp(old - rollout)."""
+
+    name = "token-is-inverted"
+    trainer_class = _TokenISInverted
 
 
 class NoPaddingToy(ToyAdapter):

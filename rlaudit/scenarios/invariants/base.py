@@ -82,18 +82,24 @@ class Invariant:
     partial: bool = False
     """Its variants are alternatives (each compared with the baseline on its own): a backend
     that cannot run some of them is still checked on the others (named in the message)."""
+    alternatives: bool = False
+    """Its variants are alternatives without a baseline (each checked on its own, e.g. one per
+    IS level): a backend is checked on whichever it ran, one is enough; the others are named
+    n/a in the message."""
 
 
 INVARIANTS: Registry = Registry("invariant")
 
 
-def invariant(name: str, family: str, *, variants=None, partial: bool = False):
+def invariant(name: str, family: str, *, variants=None, partial: bool = False,
+              alternatives: bool = False):
     """Register ``check`` (whose docstring is the invariant's documentation)."""
 
     def deco(check):
         inv = Invariant(name=name, family=family, check=check,
                         variants=variants or (lambda scn, batch: []),
-                        doc=(check.__doc__ or "").strip(), partial=partial)
+                        doc=(check.__doc__ or "").strip(), partial=partial,
+                        alternatives=alternatives)
         INVARIANTS.register(name)(inv)
         return check
 

@@ -59,7 +59,7 @@ def _variants(scn, batch):
             for level in LEVELS]
 
 
-@invariant("rollout-correction", "config-effect", variants=_variants)
+@invariant("rollout-correction", "config-effect", variants=_variants, alternatives=True)
 def rollout_correction(ctx: CheckContext):
     """For each IS level (``token``: exp(d_t); ``sequence``: exp(sum_t d_t), the product of the
     token ratios; ``geometric``: exp(sum_t d_t / n), their geometric mean; ``d = old_log_prob -
@@ -71,7 +71,9 @@ def rollout_correction(ctx: CheckContext):
     mismatch metrics (``rollout_corr/kl``, ``k3_kl``, ``log_ppl_diff``,
     ``max_abs_log_prob_diff``) and, with the rollout-KL loss on, ``actor/rollout_kl`` equal
     their naive values. A sequence weight computed at another level (token ratios, a mean of
-    log-ratios) fails here whatever the trainer reports."""
+    log-ratios) fails here whatever the trainer reports. Each level is checked on its own: a
+    backend that runs only some levels (a trainer with token-level IS only) is checked on those,
+    the others named n/a."""
     scn = ctx.scenario
     if "rollout_log_probs" not in ctx.batch:
         return [not_applicable("rollout-correction", b, "the rollout has no rollout_log_probs")
@@ -79,13 +81,14 @@ def rollout_correction(ctx: CheckContext):
     rc = scn.config.actor.rollout_correction
     out = []
     for b in ctx.backends():
-        names = [f"is:{level}" for level in LEVELS]
-        runs, na = ctx.need("rollout-correction", b, *names)
-        if na:
-            out.append(na)
-            continue
-        problems, compared, figures = [], 0, []
-        for level, name, run in zip(LEVELS, names, runs):
+        problems, compared, figures, not_run = [], 0, [], []
+        for level in LEVELS:
+            name = f"is:{level}"
+            runs, na = ctx.need("rollout-correction", b, name)
+            if na:
+                not_run.append(na.message)
+                continue
+            run = runs[0]
             old = run.tokens.get("old_log_probs", run.tokens.get("probe_log_probs"))
             if old is None:     # nothing to recompute the weights from (targets: n/a via NEEDS)
                 continue
@@ -97,12 +100,14 @@ def rollout_correction(ctx: CheckContext):
             n, bad = _compare_level(scn, name, run, want, w, mask)
             compared += n
             problems += bad
+        skipped = f" (not run: {'; '.join(not_run)})" if not_run else ""
         if not compared and not problems:
-            out.append(not_applicable("rollout-correction", b, "no IS weight, IS metric or "
-                                      "pg_loss reported to compare"))
+            out.append(not_applicable("rollout-correction", b, "; ".join(not_run) or
+                                      "no IS weight, IS metric or pg_loss reported to compare"))
             continue
         out.append(result("rollout-correction", b, not problems, "; ".join(problems[:3]) or
-                          f"{compared} values agree with the recomputation ({'; '.join(figures)})"))
+                          f"{compared} values agree with the recomputation ({'; '.join(figures)})"
+                          + skipped))
     return out
 
 
