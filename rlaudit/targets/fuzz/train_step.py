@@ -50,7 +50,7 @@ from rlaudit.targets.fuzz.examples import (DRAWN_LAST, INVARIANTS, accepted, con
                                            config_of, default_example, example_strategy,
                                            example_strategy_of, invariants_of, kept_rows, knobs,
                                            rollout_of)
-from rlaudit.targets.fuzz.findings import CheckOutcome, Finding, found_name
+from rlaudit.targets.fuzz.findings import CheckOutcome, Finding, found_name, slug
 from rlaudit.targets.inputs import builtin
 from rlaudit.targets.run.found import write_yaml
 from rlaudit.targets.run.runner import run_target_scenario
@@ -250,8 +250,8 @@ def _finish(probe, report, state, table, *, check, t0, budget, spec, found_dir, 
         message = f"{want}: {bad[want]}"
         path = None
         if write:
-            path = save_run_case(Path(found_dir), found_name(probe.name, f"train_step:{want}"),
-                                 probe, ex, target=spec, message=message,
+            name = found_name(probe.name, f"train_step:{slug(want)}")
+            path = save_run_case(Path(found_dir), name, probe, ex, target=spec, message=message,
                                  found_by={"command": "rlaudit fuzz", "run_budget": budget,
                                            "seed": rng_seed, "examples_until_found": at,
                                            "runs": probe.runs})
