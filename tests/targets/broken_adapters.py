@@ -415,6 +415,14 @@ class _FilterRetakesScores(toy.ToyTrainer):
         return {**kept, "scores": data["scores"][:len(kept["index"])]}
 
 
+class _FilterRetakesMetricColumn(toy.ToyTrainer):
+    @staticmethod
+    def filter_groups(data, metric):     # the metric kept as a batch column (verl's recipe keeps
+        data = {**data, "seq_final_reward": metric}     # it under its name), the DAPO filter,
+        kept = toy.ToyTrainer.filter_groups(data, metric)   # then the column re-taken unfiltered
+        return {**kept, "seq_final_reward": data["seq_final_reward"][:len(kept["index"])]}
+
+
 class _SequenceISFromMeanLogRatio(toy.ToyTrainer):
     def importance_weights(self, data):      # "sequence" weight from the mean log-ratio
         if self.cfg.rollout_is != "sequence":
@@ -424,6 +432,12 @@ class _SequenceISFromMeanLogRatio(toy.ToyTrainer):
         row = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
         w = torch.exp(row.clamp(-20, 20)).clamp(max=self.cfg.rollout_is_threshold)
         return w.expand_as(log_ratio) * mask
+
+
+class _TokenISInverted(toy.ToyTrainer):
+    def importance_weights(self, data):      # exp(rollout - old): the ratio upside down
+        return super().importance_weights({**data, "old_log_probs": data["rollout_log_probs"],
+                                           "rollout_log_probs": data["old_log_probs"]})
 
 
 class _SequenceISPerToken(toy.ToyTrainer):
@@ -543,6 +557,7 @@ ScoreOnLastTrainedToken = toy_with(_ScoreOnLastTrainedToken, "score-on-last-trai
 IgnoresEpochs = toy_with(_IgnoresEpochs, "ignores-ppo-epochs")
 RefFromActor = toy_with(_RefFromActor, "ref-from-actor")
 FilterMisalignsScores = toy_with(_FilterRetakesScores, "filter-misaligns-scores")
+FilterRetakesMetric = toy_with(_FilterRetakesMetricColumn, "filter-retakes-metric")
 PenaltyInEveryFilterMetric = toy_with(_PenaltyInEveryFilterMetric,
                                       "penalty-in-every-filter-metric")
 KLLossSignFlipped = toy_with(_KLLossSignFlipped, "kl-loss-sign-flipped")
@@ -550,6 +565,27 @@ CPMetricsReducedTwice = toy_with(_CPMetricsReducedTwice, "cp-metrics-reduced-twi
 CPLossScaledBySize = toy_with(_CPLossScaledBySize, "cp-loss-scaled-by-size")
 SequenceISFromMean = toy_with(_SequenceISFromMeanLogRatio, "sequence-is-from-mean")
 SequenceISPerToken = toy_with(_SequenceISPerToken, "sequence-is-per-token")
+
+
+class TokenISOnly(ToyAdapter):
+    """A correct trainer whose rollout importance sampling has the token level only."""
+
+    name = "token-is-only"
+
+    def supports(self, config):
+        ok, why = super().supports(config)
+        level = config.actor.rollout_correction.rollout_is
+        if level in ("sequence", "geometric"):
+            return False, ", ".join(filter(None, [why, f"rollout_is {level}"]))
+        return ok, why
+
+
+class TokenISInverted(TokenISOnly):
+    """Token-level IS only, with the ratio inverted: exp(rollout - old) instead of
+    exp(old - rollout)."""
+
+    name = "token-is-inverted"
+    trainer_class = _TokenISInverted
 
 
 class NoPaddingToy(ToyAdapter):

@@ -370,7 +370,7 @@ def test_run_level_fuzz_finds_each_broken_trainer_and_the_scenario_replays(cls, 
     written scenario fails the same invariant under `rlaudit run --target`."""
     adapter = cls()
     report = fuzz_target(adapter, stages=["train_step"], found_dir=tmp_path / "found",
-                         report_dir=tmp_path / "reports")
+                         report_dir=tmp_path / "reports", max_run_findings=1)
     (finding,) = report.findings
     assert finding.check == "train_step:run-level" and finding.path.is_file()
     invariant = finding.message.split(":")[0]

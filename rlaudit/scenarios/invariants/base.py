@@ -82,18 +82,38 @@ class Invariant:
     partial: bool = False
     """Its variants are alternatives (each compared with the baseline on its own): a backend
     that cannot run some of them is still checked on the others (named in the message)."""
+    alternatives: bool = False
+    """Its variants are alternatives without a baseline (each checked on its own, e.g. one per
+    IS level): a backend is checked on whichever it ran, one is enough; the others are named
+    n/a in the message."""
+    trigger: Callable[[Scenario], str | None] | None = None
+    """What must be on in a scenario for the check to say anything: returns why it is off (the
+    check is then n/a on every backend with that reason, never a pass), None when it is on."""
+
+    def applies(self, scn: Scenario) -> str | None:
+        """Why this invariant's trigger is off in ``scn`` (None: on, or no trigger)."""
+        return self.trigger(scn) if self.trigger is not None else None
 
 
 INVARIANTS: Registry = Registry("invariant")
 
 
-def invariant(name: str, family: str, *, variants=None, partial: bool = False):
-    """Register ``check`` (whose docstring is the invariant's documentation)."""
+def invariant(name: str, family: str, *, variants=None, partial: bool = False,
+              alternatives: bool = False, trigger=None):
+    """Register ``check`` (whose docstring is the invariant's documentation). ``trigger``:
+    ``(scenario) -> why it is off | None`` (:attr:`Invariant.trigger`)."""
 
     def deco(check):
-        inv = Invariant(name=name, family=family, check=check,
+        def gated(ctx: CheckContext) -> list[CheckResult]:
+            why = trigger(ctx.scenario) if trigger is not None else None
+            if why:
+                return [not_applicable(name, b, why) for b in ctx.backends()]
+            return check(ctx)
+
+        inv = Invariant(name=name, family=family, check=gated,
                         variants=variants or (lambda scn, batch: []),
-                        doc=(check.__doc__ or "").strip(), partial=partial)
+                        doc=(check.__doc__ or "").strip(), partial=partial,
+                        alternatives=alternatives, trigger=trigger)
         INVARIANTS.register(name)(inv)
         return check
 

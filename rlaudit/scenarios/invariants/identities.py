@@ -378,7 +378,14 @@ def _kl_direction_variants(scn, batch):
     return [v]
 
 
-@invariant("kl-loss-direction", "identity", variants=_kl_direction_variants)
+def same_reference(scn) -> str | None:
+    """kl-loss-direction's trigger: a reference policy distinct from the actor."""
+    return ("the reference policy is the initial actor: KL is 0" if scn.ref_model is None
+            else None)
+
+
+@invariant("kl-loss-direction", "identity", variants=_kl_direction_variants,
+           trigger=same_reference)
 def kl_loss_direction(ctx: CheckContext):
     """With the KL loss the only term (all scores equal, so GRPO advantages are 0; coefficient
     c = 0.5; plain SGD, no clipping), one optimizer step moves the policy *towards* the
@@ -388,10 +395,6 @@ def kl_loss_direction(ctx: CheckContext):
     instead; one computed against the live actor instead of the reference policy is 0.
     Independent of config-effect, which only checks the loss value. n/a without a reference
     policy distinct from the actor (the KL is then 0)."""
-    scn = ctx.scenario
-    if scn.ref_model is None:
-        return [not_applicable("kl-loss-direction", b, "the reference policy is the initial "
-                               "actor: KL is 0") for b in ctx.backends()]
     kind = ctx.variant("kl:descent").config.actor.kl_loss_type
     ref = ctx.runs.get("reference", {}).get("kl:descent")
     g_ref = ref.steps[0].get("actor/grad_norm") if ref is not None and ref.steps else None

@@ -108,14 +108,38 @@ def _shaping_problems(ctx: CheckContext, run, name: str) -> list[str]:
     return problems
 
 
+def filter_metric_off(scn) -> str | None:
+    """filter-metric's trigger: the group filter and the overlong penalty both on (only then do
+    the raw score and the penalised reward differ)."""
+    cfg = scn.config
+    if cfg.algorithm.filter_groups.enable and cfg.reward.overlong_buffer.enable:
+        return None
+    return ("needs algorithm.filter_groups.enable and reward.overlong_buffer.enable, and a "
+            "rollout on which the raw score and the penalised reward keep other groups")
+
+
+def _what_was_checked(cfg) -> str:
+    """The parts of reward-shaping that are on in ``cfg``: the score placement always, the
+    overlong penalty and the group filter only when enabled (a check names only what it
+    checked)."""
+    parts = ["scores on the last response token"]
+    if cfg.reward.overlong_buffer.enable:
+        parts.append("overlong penalty and its mean")
+    if cfg.algorithm.filter_groups.enable:
+        parts.append("group filter")
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
 @invariant("reward-shaping", "config-effect")
 def reward_shaping(ctx: CheckContext):
     """The token-level scores each backend trained on are the rule score plus (when enabled) the
     DAPO overlong penalty ``min(-(len - (max_len - buffer)) / buffer * factor, 0)``, placed on the
     last response token and nowhere else; ``train/overlong_penalty_mean`` is its mean; and when
     dynamic sampling is on, the replayed rows are exactly the prompt groups of the recorded
-    rollout whose filter metric has non-zero spread (or a single row) — all recomputed by loops."""
-    fg = ctx.scenario.config.algorithm.filter_groups
+    rollout whose filter metric has non-zero spread (or a single row) — all recomputed by loops.
+    The message names only the parts that were on (the score placement is always checked).
+    """
+    checked = _what_was_checked(ctx.scenario.config)
     out = []
     for b in ctx.backends():
         runs, na = ctx.need("reward-shaping", b, "base")
@@ -124,12 +148,12 @@ def reward_shaping(ctx: CheckContext):
             continue
         problems = _shaping_problems(ctx, runs[0], "base")
         out.append(result("reward-shaping", b, not problems, "; ".join(problems) or
-                          f"scores, overlong penalty{' and group filter' if fg.enable else ''} "
-                          f"as specified"))
+                          f"{checked} as specified"))
     return out
 
 
-@invariant("filter-metric", "config-effect", variants=_other_metric_variants)
+@invariant("filter-metric", "config-effect", variants=_other_metric_variants,
+           trigger=filter_metric_off)
 def filter_metric(ctx: CheckContext):
     """DAPO's group filter reads the metric configured (``algorithm.filter_groups.metric``): with
     the overlong penalty on, the raw score (``acc``, ``score``) and the penalised reward
@@ -139,12 +163,8 @@ def filter_metric(ctx: CheckContext):
     always adds the penalty, or never does, keeps the wrong groups on one of the two runs."""
     other = ctx.variant(OTHER_METRIC)
     if other is None:
-        cfg = ctx.scenario.config
-        why = ("needs algorithm.filter_groups.enable and reward.overlong_buffer.enable, and a "
-               "rollout on which the raw score and the penalised reward keep other groups")
-        if cfg.algorithm.filter_groups.enable and cfg.reward.overlong_buffer.enable:
-            why = ("the raw score and the penalised reward keep the same groups of this "
-                   "rollout (or the other keeps none)")
+        why = ("the raw score and the penalised reward keep the same groups of this rollout (or "
+               "the other keeps none)")
         return [not_applicable("filter-metric", b, why) for b in ctx.backends()]
     metric = other.config.algorithm.filter_groups.metric
     out = []

@@ -15,7 +15,8 @@ import torch
 
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
                                                not_applicable, result)
-from rlaudit.scenarios.invariants.naive import naive_agg, naive_kl
+from rlaudit.scenarios.invariants.logged import logged_agg, microbatch_rows
+from rlaudit.scenarios.invariants.naive import naive_kl
 from rlaudit.scenarios.invariants.seeds import one_minibatch
 
 LEVELS = ("token", "sequence", "geometric")
@@ -58,7 +59,7 @@ def _variants(scn, batch):
             for level in LEVELS]
 
 
-@invariant("rollout-correction", "config-effect", variants=_variants)
+@invariant("rollout-correction", "config-effect", variants=_variants, alternatives=True)
 def rollout_correction(ctx: CheckContext):
     """For each IS level (``token``: exp(d_t); ``sequence``: exp(sum_t d_t), the product of the
     token ratios; ``geometric``: exp(sum_t d_t / n), their geometric mean; ``d = old_log_prob -
@@ -70,7 +71,9 @@ def rollout_correction(ctx: CheckContext):
     mismatch metrics (``rollout_corr/kl``, ``k3_kl``, ``log_ppl_diff``,
     ``max_abs_log_prob_diff``) and, with the rollout-KL loss on, ``actor/rollout_kl`` equal
     their naive values. A sequence weight computed at another level (token ratios, a mean of
-    log-ratios) fails here whatever the trainer reports."""
+    log-ratios) fails here whatever the trainer reports. Each level is checked on its own: a
+    backend that runs only some levels (a trainer with token-level IS only) is checked on those,
+    the others named n/a."""
     scn = ctx.scenario
     if "rollout_log_probs" not in ctx.batch:
         return [not_applicable("rollout-correction", b, "the rollout has no rollout_log_probs")
@@ -78,42 +81,50 @@ def rollout_correction(ctx: CheckContext):
     rc = scn.config.actor.rollout_correction
     out = []
     for b in ctx.backends():
-        names = [f"is:{level}" for level in LEVELS]
-        runs, na = ctx.need("rollout-correction", b, *names)
-        if na:
-            out.append(na)
-            continue
-        problems, compared, figures = [], 0, []
-        for level, name, run in zip(LEVELS, names, runs):
+        problems, compared, figures, not_run = [], 0, [], []
+        for level in LEVELS:
+            name = f"is:{level}"
+            runs, na = ctx.need("rollout-correction", b, name)
+            if na:
+                not_run.append(na.message)
+                continue
+            run = runs[0]
             old = run.tokens.get("old_log_probs", run.tokens.get("probe_log_probs"))
             if old is None:     # nothing to recompute the weights from (targets: n/a via NEEDS)
                 continue
             mask, cfg = ctx.mask(name), ctx.variant(name).config
-            rollout = ctx.batch_of(name)["rollout_log_probs"]
-            w, want = _recomputed(level, old.double(), rollout.double(), mask, rc, cfg, run)
+            batch = ctx.batch_of(name)
+            w, want = _recomputed(level, old.double(), batch, mask, rc, cfg, run)
             figures.append(f"{level}: mean w {want['rollout_corr/is_weight_mean']:.3g}, "
                            f"{want['rollout_corr/is_clipfrac']:.0%} outside")
             n, bad = _compare_level(scn, name, run, want, w, mask)
             compared += n
             problems += bad
+        skipped = f" (not run: {'; '.join(not_run)})" if not_run else ""
         if not compared and not problems:
-            out.append(not_applicable("rollout-correction", b, "no IS weight, IS metric or "
-                                      "pg_loss reported to compare"))
+            out.append(not_applicable("rollout-correction", b, "; ".join(not_run) or
+                                      "no IS weight, IS metric or pg_loss reported to compare"))
             continue
         out.append(result("rollout-correction", b, not problems, "; ".join(problems[:3]) or
-                          f"{compared} values agree with the recomputation ({'; '.join(figures)})"))
+                          f"{compared} values agree with the recomputation ({'; '.join(figures)})"
+                          + skipped))
     return out
 
 
-def _recomputed(level: str, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc,
-                cfg, run) -> tuple[list[list[float]], dict[str, float]]:
-    """The IS weights w [B][R] at ``level`` recomputed by loops from ``old`` and ``rollout``
-    log-probs [B, R] (float64) under ``mask`` [B, R], and the metrics they imply: the weight mean
-    over valid tokens, the clip fraction (per valid token at ``token`` level, per row with a
-    valid token otherwise), the mismatch metrics, ``actor/pg_loss`` from the run's advantages
-    (not for cispo) and ``actor/rollout_kl`` when that loss is on. ``rc``: the scenario's
-    rollout-correction settings (threshold, mode); ``cfg``: the variant's config."""
+def _recomputed(level: str, old: torch.Tensor, batch, mask: torch.Tensor, rc,
+                cfg, run) -> tuple[list[list[float]], dict[str, float | None]]:
+    """The IS weights w [B][R] at ``level`` recomputed by loops from ``old`` [B, R] (float64)
+    and the variant's ``batch``'s rollout log-probs under ``mask`` [B, R], and the metrics they
+    imply: the weight mean over valid tokens, the clip fraction (per valid token at ``token``
+    level, per row with a valid token otherwise), the mismatch metrics (batch metrics: over the
+    whole batch), ``actor/pg_loss`` from the run's advantages (not for cispo) and
+    ``actor/rollout_kl`` when that loss is on. The two loss terms are reduced as the backend
+    declares it logs them (``trainer.metric_mode``: whole-batch aggregate, or the mean of each
+    micro-batch's own aggregate; None when those micro-batches' rows are unknown). ``rc``: the
+    scenario's rollout-correction settings (threshold, mode); ``cfg``: the variant's config."""
     kl = cfg.actor.rollout_correction
+    rollout = batch["rollout_log_probs"].double()
+    micros = microbatch_rows(run, cfg, batch)
     w, outside = naive_is_weights(old, rollout, mask, level=level,
                                   threshold=rc.rollout_is_threshold, mode=rc.rollout_is_mode,
                                   lower=rc.rollout_is_threshold_lower)
@@ -129,24 +140,24 @@ def _recomputed(level: str, old: torch.Tensor, rollout: torch.Tensor, mask: torc
                                             / max(sum(rows), 1))
     want.update(_mismatch(old, rollout, mask))
     if "advantages" in run.tokens and cfg.actor.loss_mode != "cispo":
-        want["actor/pg_loss"] = naive_agg(-run.tokens["advantages"].double() * w_t, mask,
-                                          cfg.actor.loss_agg_mode, cfg.actor.loss_scale_factor)
+        want["actor/pg_loss"] = logged_agg("actor/pg_loss", -run.tokens["advantages"].double()
+                                           * w_t, mask, cfg, micros)
     if kl.use_rollout_kl_loss:
         mat = naive_kl(old, rollout, kl.rollout_kl_loss_type, k3_clamp=cfg.algorithm.k3_clamp)
         if mat is not None:
-            want["actor/rollout_kl"] = naive_agg(mat, mask, cfg.actor.loss_agg_mode,
-                                                 cfg.actor.loss_scale_factor)
+            want["actor/rollout_kl"] = logged_agg("actor/rollout_kl", mat, mask, cfg, micros)
     return w, want
 
 
-def _compare_level(scn, name: str, run, want: dict[str, float], w: list[list[float]],
+def _compare_level(scn, name: str, run, want: dict[str, float | None], w: list[list[float]],
                    mask: torch.Tensor) -> tuple[int, list[str]]:
     """(values compared, problems): the run's step-0 metrics against ``want`` and its per-token
-    ``rollout_is_weights`` [B, R] against ``w`` where ``mask`` [B, R] is True."""
+    ``rollout_is_weights`` [B, R] against ``w`` where ``mask`` [B, R] is True. A ``want`` of
+    None (a micro-batch mean over micro-batches of unknown rows) is not compared."""
     compared, problems = 0, []
     got = run.steps[0]
     for metric, value in want.items():
-        if metric not in got:
+        if metric not in got or value is None:   # None: micro-batch rows unknown
             continue
         compared += 1
         if not scn.tol(metric).close(got[metric], value):

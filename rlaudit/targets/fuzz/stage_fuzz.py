@@ -109,11 +109,13 @@ def fuzz_target(target: str | object, *, stages: list[str] | None = None,
                 checks: list[str] | None = None, budget: int = DEFAULT_BUDGET,
                 found_dir: str | Path = "scenarios/found", report_dir: str | Path = "reports",
                 rng_seed: int = 0, write: bool = True, run_budget: int | None = None,
-                scenarios_dir: str | Path = "scenarios") -> FuzzReport:
+                scenarios_dir: str | Path = "scenarios",
+                max_run_findings: int | None = None) -> FuzzReport:
     """Fuzz every stage check of ``target`` (``"module:Attr"`` or an adapter), restricted to
     ``stages`` (and to the check names ``checks``); ``train_step`` (when provided and selected)
-    at run level with ``run_budget`` examples (:mod:`rlaudit.targets.fuzz.train_step`).
-    Findings are written under ``found_dir`` (``write=False``: not written)."""
+    at run level with ``run_budget`` examples (:mod:`rlaudit.targets.fuzz.train_step`; it goes
+    on after a finding, up to ``max_run_findings`` distinct ones, default all within the
+    budget). Findings are written under ``found_dir`` (``write=False``: not written)."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise InputError(f"expected an integer >= 1, got {budget!r}", key="--budget")
     spec = target if isinstance(target, str) else f"{type(target).__module__}:" \
@@ -158,6 +160,6 @@ def fuzz_target(target: str | object, *, stages: list[str] | None = None,
             checks is None or "train_step:run-level" in checks):
         fuzz_train_step(adapter, report, spec=spec, budget=run_budget, found_dir=found_dir,
                         database=db, rng_seed=rng_seed, write=write,
-                        scenarios_dir=scenarios_dir)
+                        scenarios_dir=scenarios_dir, max_findings=max_run_findings)
     report.seconds = time.perf_counter() - t0
     return report

@@ -71,9 +71,10 @@ def check_invariant(inv_name: str, ctx: CheckContext, target: str, adapter: obje
         needed = [v.name for v in inv.variants(ctx.scenario, ctx.batch)] or ["base"]
         absent = [v for v in needed if v not in runs]
         present = [v for v in needed if v in runs]
-        if inv.partial and absent and needed[0] in runs and len(present) >= 2:
-            # alternatives to a baseline (needed[0]): check the variants the target ran; the
-            # invariant names the others n/a in its message
+        if absent and present and (inv.alternatives or (
+                inv.partial and needed[0] in runs and len(present) >= 2)):
+            # alternatives (to a baseline, needed[0], or without one): check the variants the
+            # target ran; the invariant names the others n/a in its message
             needed, absent = present, []
         configs = {v.name: v.config for v in ctx.variants}
         why = ("variant(s) not run by the target: " + "; ".join(

@@ -73,6 +73,17 @@ def trimmed_width(mask: torch.Tensor) -> int:
     return int(cols[-1]) + 1 if len(cols) else 1
 
 
+def width_note(widths: list[int], norm_len: float) -> str:
+    """What a failure's message adds when micro-batches are narrower than the whole batch's
+    ``norm_len`` (the width R the loss is normalised by, passed in ``denominators``): a
+    seq-mean-token-sum-norm that divides by a micro-batch's own width fails exactly there."""
+    other = [w for w in widths if w != norm_len]
+    if not other:
+        return ""
+    return (f" (micro-batch widths {widths} differ from the norm_len {norm_len:g} the loss is "
+            f"normalised by: a micro-batch's own width is not the divisor)")
+
+
 @stage_check("agg_loss", "global-split", "metamorphic")
 def agg_global_split(env: StageEnv) -> CheckResult:
     """With the whole batch's ``Denominators`` passed to every micro-batch, the micro-batch
@@ -90,21 +101,23 @@ def agg_global_split(env: StageEnv) -> CheckResult:
                 leaf = lm.clone().requires_grad_(True)
                 whole, whole_leaf = _agg(env, leaf, case.mask, mode, label=f"{mode} whole batch")
                 whole_grad = grad_of(whole, whole_leaf)
-                parts, grads = [], torch.zeros_like(lm)
+                parts, grads, widths = [], torch.zeros_like(lm), []
                 for rows in split_rows(len(lm)):
                     # each micro-batch padded to its own longest response, as trainers that
                     # pad per micro-batch do: the whole batch's width R reaches it only as
                     # denominators.norm_len (seq-mean-token-sum-norm divides by it)
                     w = trimmed_width(case.mask[rows])
+                    widths.append(w)
                     leaf = lm[rows][:, :w].requires_grad_(True)
                     out, given_leaf = _agg(env, leaf, case.mask[rows][:, :w], mode, denom,
                                            label=f"{mode} rows {rows.tolist()} (width {w})")
                     parts.append(out.detach() if isinstance(out, torch.Tensor) else out)
                     grads[rows, :w] = grad_of(out, given_leaf)
                 total = sum(float(p) for p in parts)
-                t.compare(f"{mode} on {case.name}: sum over {len(parts)} micro-batches", total,
-                          whole.detach())
-                t.compare(f"{mode} gradient on {case.name}: sum over micro-batches", grads,
+                why = width_note(widths, denom.norm_len)
+                t.compare(f"{mode} on {case.name}: sum over {len(parts)} micro-batches{why}",
+                          total, whole.detach())
+                t.compare(f"{mode} gradient on {case.name}: sum over micro-batches{why}", grads,
                           whole_grad, case.mask)
             attempt(t, mode, one)
     return t.result("split sums agree with the whole-batch value")

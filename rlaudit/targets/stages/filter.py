@@ -20,6 +20,13 @@ field of a kept row is compared with the same row of the input, on the row's val
 (values under ``response_mask`` False may be anything). A field re-taken from the unfiltered
 batch after filtering (``kept["scores"] = batch["scores"][:n]``) shows up as a kept row whose
 field belongs to another row.
+
+The batch is handed over as a trainer holds it at the filter: with the filter metric as a column
+(:data:`METRIC_FIELD`; verl's recipe stores it in the batch under the metric's name,
+``new_batch.non_tensor_batch[metric_name]``, before ``new_batch[kept_traj_idxs]``), and also as the
+``metric`` argument. A trainer that filters on the metric, then re-takes the column from the
+unfiltered batch (to log it, or to build the reward from it) returns a kept batch whose metric
+column belongs to other rows: rows-aligned compares it like every other field.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ FIRST_TOKEN = 1000
 #: metric values are multiples of this (dyadic: exact sums and means, see the module docstring)
 METRIC_STEP = 0.125
 TOPK = 3
+#: the batch column holding the filter metric (verl's DAPO recipe: the penalised sequence reward,
+#: ``algorithm.filter_groups.metric: seq_final_reward``, stored under its name)
+METRIC_FIELD = "seq_final_reward"
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,13 @@ def default_filter_inputs() -> list[FilterInput]:
 
 # ---- reading the adapter's kept batch -----------------------------------------------------------
 
+def held_batch(inp: FilterInput) -> RolloutBatch:
+    """``inp``'s batch as a trainer holds it at the filter: its fields plus the ``[B]`` filter
+    metric as the sequence column :data:`METRIC_FIELD`."""
+    return inp.batch.with_fields({METRIC_FIELD: Kind.SEQ},
+                                 **{METRIC_FIELD: inp.metric.clone()})
+
+
 def _as_dict(out) -> dict[str, torch.Tensor]:
     if isinstance(out, RolloutBatch):
         out = dict(out.tensors)
@@ -158,7 +175,7 @@ def _as_dict(out) -> dict[str, torch.Tensor]:
 def _kept(env: StageEnv, inp: FilterInput) -> tuple[dict[str, torch.Tensor], list[int | None]]:
     """The adapter's kept batch and, per kept row, the input row it is (None: not an input
     row)."""
-    out, _ = env.call("filter_groups", label=inp.name, batch=inp.batch, metric=inp.metric)
+    out, _ = env.call("filter_groups", label=inp.name, batch=held_batch(inp), metric=inp.metric)
     out = _as_dict(out)
     index = {row_key(inp.batch.tensors, j): j for j in range(len(inp.batch))}
     return out, [index.get(row_key(out, i)) for i in range(out["response_mask"].shape[0])]
@@ -230,14 +247,15 @@ def rows_aligned(env: StageEnv) -> CheckResult:
     """Every field of every kept row equals that row's field in the input (sequence fields;
     per-token fields on the row's valid tokens, values under the mask are not compared; prompt
     fields on the prompt), and its response mask is unchanged: no field is re-taken from the
-    unfiltered batch or shifted by the dropped rows. Fields a trainer does not carry are not
-    compared (a kept batch needs only the fields its trainer uses, plus the row keys)."""
+    unfiltered batch or shifted by the dropped rows, the filter metric's column
+    (:data:`METRIC_FIELD`) included. Fields a trainer does not carry are not compared (a kept
+    batch needs only the fields its trainer uses, plus the row keys)."""
     t = env.tally("filter_groups:rows-aligned")
     not_carried: set[str] = set()
     for inp in _inputs(env):
         def one(inp=inp):
             out, rows = _kept(env, inp)
-            src = inp.batch
+            src = held_batch(inp)
             not_carried.update(set(src.keys()) - set(out))
             for i, j in enumerate(rows):
                 if j is None:

@@ -38,7 +38,7 @@ from rlaudit.targets.peers import trl as trl_peer  # noqa: E402
 from rlaudit.targets.run.runner import run_target  # noqa: E402
 
 pytestmark = pytest.mark.slow
-FAMILY = ["trl_gradacc_uneven", "trl_seq_importance"]
+FAMILY = ["trl_gradacc_uneven", "trl_seq_importance", "trl_group_of_three", "trl_two_minibatches"]
 BUG_SCENARIO = "trl_gradacc_uneven"
 
 
