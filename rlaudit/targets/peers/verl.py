@@ -39,6 +39,7 @@ import importlib
 import importlib.util
 import inspect
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,9 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers import verl_step
+from rlaudit.targets.peers.verl_layout import verl_tensors
+from rlaudit.targets.peers.verl_train import train_step as verl_train_step
 
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
@@ -99,7 +103,16 @@ class VerlAdapter(TargetAdapter):
     #: local mean, reduced by mean (``AggregationType.MEAN`` in verl/workers/utils/losses.py,
     #: verl PR #4778); ``actor/pg_loss`` is the loss value, reduced by sum
     #: (``AggregationType.SUM``) whenever global counts are given: a contribution
-    metric_reduction = {"actor/pg_loss": "contribution", "*": "microbatch-mean"}
+    #: train_step: ``actor/loss`` is the sum of the micro-batches' losses (engine_workers.py:
+    #: 194), ``actor/entropy`` (verl's ``actor/entropy_loss``, verl_step) is reduced like
+    #: ``actor/pg_loss``: contributions
+    metric_reduction = {"actor/pg_loss": "contribution", "actor/loss": "contribution",
+                        "actor/entropy": "contribution", "*": "microbatch-mean"}
+    #: ``train_step``: verl's FSDP engine trains in fp32 (verl_train.py)
+    train_precision = "float32"
+    metric_names = verl_step.TRAIN_METRICS
+    #: data-parallel ranks of ``train_step`` (verl's FSDP engine over gloo)
+    dp = 1
     advantage_estimators = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus",
                             "reinforce_plus_plus_baseline")
     loss_modes = ("vanilla", "gspo", "cispo")
@@ -121,6 +134,11 @@ class VerlAdapter(TargetAdapter):
         #: verl < 0.8 trains with the legacy FSDP worker's DataParallelPPOActor by default
         #: (``trainer.use_legacy_worker_impl: auto``); 0.8+ has only the engine workers
         self.legacy_actor = importlib.util.find_spec("verl.workers.actor") is not None
+        #: train_step needs verl's platform registry (0.9+; verl_step)
+        self.train_registry = verl_step.has_platform_registry()
+        if self.train_registry:
+            self.differences += verl_step.train_differences(self.version)
+        self.peer = str(Path(verl.__file__).parent.parent)
 
     # ---- conversions -----------------------------------------------------------------------
     @staticmethod
@@ -241,6 +259,22 @@ class VerlAdapter(TargetAdapter):
         out["actor/pg_loss"] = float(loss.detach())     # ppo_loss: metrics["actor/pg_loss"]
         return loss, out
 
+    # ---- the whole training step --------------------------------------------------------------
+    def supports(self, config):
+        return verl_step.supports(config, registry=self.train_registry)
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        """verl's FSDP step (verl_train.py), ``steps`` times on ``batch``; ``ref_model_path``
+        is unused (no KL term is mapped: :meth:`supports`)."""
+        result = verl_train_step(model_path, batch, config, dp=self.dp, steps=steps,
+                                 peer=self.peer, device=device)
+        return verl_step.output(result, batch)
+
+    def replay(self, request):
+        """Every supported variant of a scenario in one group of ranks (verl_step.replay)."""
+        return verl_step.replay(self, request)
+
     # ---- micro-batching ----------------------------------------------------------------------
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,
                           micro_batch_size: int | None = None,
@@ -327,26 +361,6 @@ def _policy_cfg(loss_mode: str):
     # lazy: verl is optional, imported when audited
     from verl.workers.config.actor import PolicyLossConfig
     return PolicyLossConfig(loss_mode=loss_mode)
-
-
-def verl_tensors(batch: RolloutBatch) -> dict[str, torch.Tensor]:
-    """Every field of ``batch`` plus verl's sequence layout: ``input_ids`` / ``attention_mask``
-    ``[B, P + R]`` with the prompt left-padded and the response right-padded (verl's rollout
-    output), ``position_ids``, ``responses``."""
-    t = batch.tensors
-    b, p = t["prompt_ids"].shape
-    r = t["response_ids"].shape[1]
-    pl, rl = t["prompt_lengths"], t["response_lengths"]
-    cols_p = torch.arange(p).unsqueeze(0)
-    prompt_mask = cols_p >= (p - pl).unsqueeze(1)                 # left padding
-    src = (cols_p - (p - pl).unsqueeze(1)).clamp(min=0)
-    prompts = torch.where(prompt_mask, t["prompt_ids"].gather(1, src), 0)
-    resp_mask = torch.arange(r).unsqueeze(0) < rl.unsqueeze(1)
-    attention = torch.cat([prompt_mask, resp_mask], dim=1).to(torch.int64)
-    out = dict(t)
-    out.update(input_ids=torch.cat([prompts, t["response_ids"]], dim=1), attention_mask=attention,
-               position_ids=(attention.cumsum(1) - 1).clamp(min=0), responses=t["response_ids"])
-    return out
 
 
 class _ThreadGroup:

@@ -74,12 +74,12 @@ def test_verl_fsdp_step_matches_reference(verl_dp1):
     ref, micro_ref = (ReferenceAdapter().train_step(model_path=MODEL, batch=_dp_ordered(),
                                                     config=_config(reduction), steps=1)
                       for reduction in ("contribution", "microbatch-mean"))
-    got = verl_dp1["metrics"]
+    got = verl_dp1["metrics"][0]
     for key, want in (("actor/pg_loss", ref), ("actor/grad_norm", ref),
                       ("actor/pg_clipfrac", micro_ref), ("actor/ppo_kl", micro_ref)):
         assert got[key] == pytest.approx(float(want.metrics[0][key]), rel=RTOL, abs=1e-6), key
     assert got["actor/pg_loss"] != 0 and got["actor/pg_clipfrac"] > 0   # not a vacuous step
-    params = verl_dp1["params"]
+    params = verl_dp1["params"][0]
     assert set(params) == set(ref.params[0])
     before = load_file(str(MODEL / "model.safetensors"))
     moved = max((params[n].reshape(-1) - before[n].reshape(-1).float()).abs().max().item()
@@ -94,6 +94,6 @@ def test_verl_fsdp_step_dp2_equals_dp1(verl_dp1):
     # the rollout in its own order: at dp 2 verl trains the rows of _dp_ordered's steps
     dp2 = train_step(MODEL, load_rollout(ROLLOUT), _config(), dp=2)
     for key in ("actor/pg_loss", "actor/grad_norm"):
-        assert dp2["metrics"][key] == pytest.approx(verl_dp1["metrics"][key], rel=RTOL), key
-    for name, value in verl_dp1["params"].items():
-        torch.testing.assert_close(dp2["params"][name], value, rtol=RTOL, atol=1e-6, msg=name)
+        assert dp2["metrics"][0][key] == pytest.approx(verl_dp1["metrics"][0][key], rel=RTOL), key
+    for name, value in verl_dp1["params"][0].items():
+        torch.testing.assert_close(dp2["params"][0][name], value, rtol=RTOL, atol=1e-6, msg=name)
