@@ -52,7 +52,6 @@ from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
 from rlaudit.targets.peers import verl_step
 from rlaudit.targets.peers.verl_layout import verl_tensors
-from rlaudit.targets.peers.verl_train import train_step as verl_train_step
 
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
@@ -134,10 +133,14 @@ class VerlAdapter(TargetAdapter):
         #: verl < 0.8 trains with the legacy FSDP worker's DataParallelPPOActor by default
         #: (``trainer.use_legacy_worker_impl: auto``); 0.8+ has only the engine workers
         self.legacy_actor = importlib.util.find_spec("verl.workers.actor") is not None
-        #: train_step needs verl's platform registry (0.9+; verl_step)
-        self.train_registry = verl_step.has_platform_registry()
-        if self.train_registry:
+        #: the engine train_step drives (verl_step.engine_of): fsdp (0.9+), megatron (0.7)
+        self.engine = verl_step.engine_of()
+        if self.engine == "fsdp":
             self.differences += verl_step.train_differences(self.version)
+        elif self.engine == "megatron":
+            # the legacy actor logs each micro-batch's own means, fit() averages them
+            self.metric_reduction = "microbatch-mean"
+            self.metric_names = verl_step.MEGATRON_METRICS
         self.peer = str(Path(verl.__file__).parent.parent)
 
     # ---- conversions -----------------------------------------------------------------------
@@ -261,14 +264,13 @@ class VerlAdapter(TargetAdapter):
 
     # ---- the whole training step --------------------------------------------------------------
     def supports(self, config):
-        return verl_step.supports(config, registry=self.train_registry)
+        return verl_step.supports(config, engine=self.engine)
 
     def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
                    device="cpu"):
-        """verl's FSDP step (verl_train.py), ``steps`` times on ``batch``; ``ref_model_path``
-        is unused (no KL term is mapped: :meth:`supports`)."""
-        result = verl_train_step(model_path, batch, config, dp=self.dp, steps=steps,
-                                 peer=self.peer, device=device)
+        """verl's step on :attr:`engine` (verl_step), ``steps`` times on ``batch``;
+        ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
+        (result,) = verl_step.run_jobs(self, model_path, [(batch, config, steps)], device)
         return verl_step.output(result, batch)
 
     def replay(self, request):

@@ -19,7 +19,8 @@ def verl_tensors(batch: RolloutBatch, width: int | None = None) -> dict[str, tor
     per-token fields keep the batch's width R."""
     t = dict(batch.tensors)
     r = t["response_ids"].shape[1]
-    if width is not None and width != r and int(t["response_lengths"].max()) if len(t["response_lengths"]) else 0 <= width:
+    longest = int(t["response_lengths"].max()) if len(t["response_lengths"]) else 0
+    if width is not None and width != r and longest <= width:
         t["response_ids"] = _to_width(t["response_ids"], width)
         t["response_mask"] = _to_width(t["response_mask"], width)
     b, p = t["prompt_ids"].shape

@@ -1,10 +1,12 @@
-"""``train_step`` of ``--target verl``: verl's own FSDP training step (rlaudit/targets/peers/
-verl_train.py) laid out as rlaudit's :class:`TrainStepOutput`, what it cannot run
-(:func:`supports`), and the conventions of verl's trainer the reference must be told about
-(:func:`train_differences`), each linked to the line of verl at the release tag.
+"""``train_step`` of ``--target verl``: verl's own training step laid out as rlaudit's
+:class:`TrainStepOutput`, what it cannot run (:func:`supports`), and the conventions of verl's
+trainer the reference must be told about (:func:`train_differences`), each linked to the line of
+verl at the release tag. The engine (:func:`engine_of`):
 
-verl >= 0.9 only: its platform registry (``verl/plugin/platform``) is how the CPU platform of
-``verl_cpu`` is plugged in; an older release has no registry, and its step is n/a here.
+- ``fsdp``, verl >= 0.9: verl's FSDP engine worker (verl_train.py) on the CPU platform verl_cpu.py
+  plugs into verl's platform registry (``verl/plugin/platform``);
+- ``megatron``, verl 0.7 (no platform registry; its legacy workers are the default): the legacy
+  ``MegatronPPOActor`` on a real megatron-core model (verl_megatron.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.contract.declare import Difference
 from rlaudit.targets.contract.guard import batch_state, unchanged_since
 from rlaudit.targets.peers.verl_layout import to_batch_width
+from rlaudit.targets.peers import verl_megatron
 from rlaudit.targets.peers.verl_train import train_steps, unsupported
 from rlaudit.targets.run.target_backend import to_variant_run
 
@@ -42,23 +45,40 @@ TOKENS = {"old_log_probs": "old_log_probs", "advantages": "advantages", "returns
           "token_level_scores": "token_level_scores",
           "token_level_rewards": "token_level_rewards"}
 _BLOB = "https://github.com/verl-project/verl/blob/v{v}/verl/"
+#: training steps a declared per-step case is spelled out for
+MAX_STEPS = 8
 
 
-def has_platform_registry() -> bool:
-    """verl >= 0.9: ``verl.plugin.platform`` exists (the CPU platform plugs in there)."""
+#: what verl 0.7.1's legacy Megatron actor and worker log under catalogue names
+MEGATRON_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+                    "actor/ppo_kl", "actor/grad_norm", "actor/lr")
+
+
+def _found(module: str) -> bool:
     try:
-        return importlib.util.find_spec("verl.plugin.platform") is not None
+        return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         return False
 
 
-def supports(config: Config, *, registry: bool) -> tuple[bool, str]:
-    """Whether verl's step can run ``config`` (``registry``: the release has the platform
-    registry), with the reason when not."""
-    if not registry:
-        return False, ("this verl release has no platform registry (verl/plugin/platform, from "
-                       "0.9.0): its training step cannot be put on the CPU without patching it")
-    why = unsupported(config)
+def engine_of() -> str | None:
+    """The engine train_step drives in the installed verl (module docstring), or None."""
+    if _found("verl.plugin.platform"):
+        return "fsdp"
+    if _found("verl.workers.actor.megatron_actor"):
+        return "megatron"
+    return None
+
+
+def supports(config: Config, *, engine: str | None) -> tuple[bool, str]:
+    """Whether verl's step on ``engine`` can run ``config``, with the reason when not."""
+    if engine is None:
+        return False, ("this verl release has neither a platform registry (verl/plugin/platform, "
+                       "from 0.9.0) nor the legacy Megatron actor")
+    if not _found("hydra"):
+        return False, ("hydra-core is missing from the verl peer (verl/utils/config.py:48 "
+                       "builds every worker config with it): re-run `make peers`")
+    why = unsupported(config) if engine == "fsdp" else verl_megatron.unsupported(config)
     return not why, "; ".join(why)
 
 
@@ -80,6 +100,18 @@ def train_differences(version: str) -> tuple[Difference, ...]:
                    "every trajectory",
             link=at + "trainer/ppo/metric_utils.py#L468",
             checks=("backend-parity",), cases=("critic/score/", "critic/rewards/")),
+        Difference(
+            "token-budget-microbatches-balanced",
+            reason="with use_dynamic_bsz, rearrange_micro_batches partitions a mini-batch by "
+                   "sequence length (karmarkar_karp balancing), so the micro-batch means "
+                   "pg_clipfrac, pg_clipfrac_lower and ppo_kl are taken over other micro-batches "
+                   "than the reference's token-budget cut; the loss, gradient norm and "
+                   "parameters do not depend on the cut and are compared",
+            link=at + "utils/seqlen_balancing.py#L348",
+            checks=("backend-parity",),
+            cases=tuple(f"variant microbatch:tokens: step {s}: actor/{m} ="
+                        for s in range(MAX_STEPS)
+                        for m in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"))),
     )
 
 
@@ -117,8 +149,8 @@ def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
     the ranks started once, a fresh worker per variant), each laid out as ``train_step``'s output
     would be (:func:`~rlaudit.targets.run.target_backend.to_variant_run`)."""
     before = [batch_state(v.batch) for v in request.variants]
-    results = train_steps(request.model, [(v.batch, v.config, v.steps) for v in request.variants],
-                          dp=adapter.dp, peer=adapter.peer, device=request.device)
+    results = run_jobs(adapter, request.model, [(v.batch, v.config, v.steps)
+                                                for v in request.variants], request.device)
     runs = {}
     for v, result, state in zip(request.variants, results, before):
         run = to_variant_run(v, output(result, v.batch), source=f"{adapter.name}.train_step",
@@ -126,3 +158,10 @@ def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
         run.inputs_unchanged = unchanged_since(v.batch, state)
         runs[v.name] = run
     return runs
+
+
+def run_jobs(adapter, model_path, jobs: list, device: str) -> list[dict]:
+    """``(batch, config, steps)`` jobs on the adapter's engine, in one group of ranks."""
+    if adapter.engine == "megatron":
+        return verl_megatron.train_steps(model_path, jobs, peer=adapter.peer, device=device)
+    return train_steps(model_path, jobs, dp=adapter.dp, peer=adapter.peer, device=device)

@@ -136,17 +136,18 @@ def verl_overrides(cfg: Config, *, model_path: str, dp: int, rows: int | None = 
 
 def train_step(model_path, batch: RolloutBatch, cfg: Config, *, dp: int = 1, steps: int = 1,
                version: str = "0.9.1", peer: str | None = None, params: bool = True,
-               device: str = "cpu", timeout: float = 300.0) -> dict:
+               device: str = "cpu", backend: str | None = None, timeout: float = 300.0) -> dict:
     """``steps`` training steps of verl ``version`` (installed under the peers directory; or the
     one whose package lies in ``peer``) on ``batch`` over ``dp`` ranks (gloo on ``cpu``, NCCL on
-    ``cuda``). Returns rank 0's result (:func:`train_rank`)."""
+    ``cuda``, or ``backend``). Returns rank 0's result (:func:`train_rank`)."""
     return train_steps(model_path, [(batch, cfg, steps)], dp=dp, version=version, peer=peer,
-                       params=params, device=device, timeout=timeout)[0]
+                       params=params, device=device, backend=backend, timeout=timeout)[0]
 
 
 def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, dp: int = 1,
                 version: str = "0.9.1", peer: str | None = None, params: bool = True,
-                device: str = "cpu", timeout: float = 300.0) -> list[dict]:
+                device: str = "cpu", backend: str | None = None,
+                timeout: float = 300.0) -> list[dict]:
     """:func:`train_step` for each ``(batch, config, steps)`` of ``jobs``, one after the other in
     one group of ranks (verl imported once; a fresh worker per job). ``timeout`` is per job."""
     for _batch, cfg, _steps in jobs:
@@ -165,7 +166,7 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, dp:
     if device == "cpu":
         env["VERL_PLATFORM"] = "cpu"
     return launch(train_rank, dp, args=(request,), env=env, timeout=timeout * len(jobs),
-                  device=device)[0]
+                  device=device, backend=backend)[0]
 
 
 def train_rank(info, request: dict) -> list[dict]:
@@ -203,7 +204,7 @@ def train_job(info, job: dict, *, params: bool) -> dict:
     trainer.actor_rollout_wg = LocalWorkerGroup(worker, info.rank, info.world_size)
     result: dict[str, Any] = {"metrics": [], "raw_metrics": [], "params": []}
     for step in range(job["steps"]):
-        metrics, raw, tokens = fit_step(trainer, _proto(job["tensors"], cfg))
+        metrics, raw, tokens = fit_step(trainer, rollout_proto(job["tensors"], cfg))
         result["metrics"].append(metrics)
         result["raw_metrics"].append(raw)
         if step == 0:
@@ -257,7 +258,7 @@ def _verl_config(overrides: dict[str, Any]):
     return cfg
 
 
-def _proto(tensors: dict[str, torch.Tensor], cfg):
+def rollout_proto(tensors: dict[str, torch.Tensor], cfg):
     """rlaudit's batch as verl's rollout hands it to the trainer: verl's layout (verl_tensors),
     int64 response mask, the score on the last response token, string uids."""
     # lazy: verl is an optional peer

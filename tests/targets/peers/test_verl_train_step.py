@@ -3,6 +3,9 @@ own reference update on the same batch and config: an independent computation of
 (old log-probs, GRPO advantages, two SGD optimizer steps of the PPO-clip loss, token-mean, no KL,
 entropy_coeff 0), float32 on both sides.
 
+The last test runs the same step on CUDA with NCCL (marked ``gpu``, for the nightly job): device
+and backend are its parameters.
+
 verl's pg_loss is the global mini-batch value (rlaudit's default ``metric_reduction``,
 "contribution"), but its pg_clipfrac / ppo_kl are means over micro-batches (verl's Metric
 aggregation): those two are compared with the reference run under the declared convention
@@ -97,3 +100,22 @@ def test_verl_fsdp_step_dp2_equals_dp1(verl_dp1):
         assert dp2["metrics"][0][key] == pytest.approx(verl_dp1["metrics"][0][key], rel=RTOL), key
     for name, value in verl_dp1["params"][0].items():
         torch.testing.assert_close(dp2["params"][0][name], value, rtol=RTOL, atol=1e-6, msg=name)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("device,backend,dp", [("cuda", "nccl", 1), ("cuda", "nccl", 2)])
+def test_verl_fsdp_step_on_device(verl_dp1, device, backend, dp):
+    """The same step on verl's own platform (nvidia) with NCCL: as the CPU step (float32 on
+    both; GPU kernels reduce in other orders, hence 10x the CPU tolerance)."""
+    if torch.cuda.device_count() < dp:
+        pytest.skip(f"needs {dp} CUDA devices")
+    batch = _dp_ordered() if dp == 1 else load_rollout(ROLLOUT)
+    got = train_step(MODEL, batch, _config(), dp=dp, device=device, backend=backend)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert got["metrics"][0][key] == pytest.approx(verl_dp1["metrics"][0][key],
+                                                       rel=10 * RTOL), key
+    for name, value in verl_dp1["params"][0].items():
+        torch.testing.assert_close(got["params"][0][name].cpu(), value, rtol=10 * RTOL,
+                                   atol=1e-5, msg=name)
