@@ -64,8 +64,8 @@ def unsupported(cfg: Config) -> list[str]:
         "actor.shuffle": act.shuffle, "trainer.balance_batch": t.balance_batch,
         "padding micro-batches": t.extra_padding_microbatches > 0,
         "actor.context_parallel_size > 1": act.context_parallel_size > 1,
-        "distillation": act.distill.enable, "reward.overlong_buffer": cfg.reward.overlong_buffer.enable,
-        "grad_clip <= 0 (megatron's optimizer clips at the value given)": act.grad_clip <= 0,
+        "distillation": act.distill.enable,
+        "reward.overlong_buffer": cfg.reward.overlong_buffer.enable,
     }
     return [why for why, bad in checks.items() if bad]
 
@@ -120,8 +120,11 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, pee
 
 def _optim(cfg: Config) -> dict:
     o = cfg.actor.optim
+    # rlaudit's grad_clip <= 0 is "no clipping"; megatron's optimizer then computes no grad norm
+    # at all (optimizer.py:606: verl would log None): inf clips nothing and keeps the norm
+    clip = cfg.actor.grad_clip if cfg.actor.grad_clip > 0 else float("inf")
     return {"name": o.name, "lr": o.lr, "weight_decay": o.weight_decay, "betas": list(o.betas),
-            "eps": o.eps, "clip": cfg.actor.grad_clip}
+            "eps": o.eps, "clip": clip}
 
 
 def train_rank(info, request: dict) -> list[dict]:

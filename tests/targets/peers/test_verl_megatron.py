@@ -42,8 +42,8 @@ def _missing() -> str:
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_missing()), reason=_missing())]
 
-DEVICES = [pytest.param("cpu", "gloo", id="cpu-gloo"),
-           pytest.param("cuda", "nccl", id="cuda-nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
+DEVICES = [pytest.param(("cpu", "gloo"), id="cpu-gloo"),
+           pytest.param(("cuda", "nccl"), id="cuda-nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(
                not torch.cuda.is_available(), reason="no CUDA device")])]
 
 
