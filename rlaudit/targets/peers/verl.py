@@ -50,7 +50,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
-from rlaudit.targets.peers import verl_step
+from rlaudit.targets.peers import verl_step, verl_train
 from rlaudit.targets.peers.verl_layout import verl_tensors
 
 
@@ -138,8 +138,8 @@ class VerlAdapter(TargetAdapter):
         if self.engine == "fsdp":
             self.differences += verl_step.train_differences(self.version)
         elif self.engine == "megatron":
-            # the legacy actor logs each micro-batch's own means, fit() averages them
-            self.metric_reduction = "microbatch-mean"
+            # metric_reduction stays the stage functions' (pg_loss a contribution under global
+            # counts): the legacy actor passes none, the bug of verl #5863 (docs/peers.md)
             self.metric_names = verl_step.MEGATRON_METRICS
         self.peer = str(Path(verl.__file__).parent.parent)
 
@@ -270,6 +270,9 @@ class VerlAdapter(TargetAdapter):
                    device="cpu"):
         """verl's step on :attr:`engine` (verl_step), ``steps`` times on ``batch``;
         ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
+        why = verl_train.rows_unsupported(config, len(batch), self.dp)
+        if why:
+            raise NotImplementedError(why)
         (result,) = verl_step.run_jobs(self, model_path, [(batch, config, steps)], device)
         return verl_step.output(result, batch)
 

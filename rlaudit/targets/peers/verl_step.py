@@ -24,7 +24,7 @@ from rlaudit.targets.contract.declare import Difference
 from rlaudit.targets.contract.guard import batch_state, unchanged_since
 from rlaudit.targets.peers.verl_layout import to_batch_width
 from rlaudit.targets.peers import verl_megatron
-from rlaudit.targets.peers.verl_train import train_steps, unsupported
+from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
 from rlaudit.targets.run.target_backend import to_variant_run
 
 #: verl's metric -> rlaudit's where the names differ. ``actor/entropy_loss`` is the entropy the
@@ -147,12 +147,18 @@ def output(result: dict, batch: RolloutBatch) -> TrainStepOutput:
 def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
     """Every variant of ``request`` through verl's step in one group of ranks (verl imported and
     the ranks started once, a fresh worker per variant), each laid out as ``train_step``'s output
-    would be (:func:`~rlaudit.targets.run.target_backend.to_variant_run`)."""
-    before = [batch_state(v.batch) for v in request.variants]
-    results = run_jobs(adapter, request.model, [(v.batch, v.config, v.steps)
-                                                for v in request.variants], request.device)
+    would be (:func:`~rlaudit.targets.run.target_backend.to_variant_run`). A variant whose rows
+    verl would refuse (:func:`~rlaudit.targets.peers.verl_train.rows_unsupported`: not whole
+    mini-batches) is not run: its invariants are n/a for verl ("not returned")."""
+    dp = adapter.dp if adapter.engine == "fsdp" else 1
+    variants = [v for v in request.variants if not rows_unsupported(v.config, len(v.batch), dp)]
+    if not variants:       # every variant's rows are ones verl refuses: nothing ran (n/a)
+        return {}
+    before = [batch_state(v.batch) for v in variants]
+    results = run_jobs(adapter, request.model, [(v.batch, v.config, v.steps) for v in variants],
+                       request.device)
     runs = {}
-    for v, result, state in zip(request.variants, results, before):
+    for v, result, state in zip(variants, results, before):
         run = to_variant_run(v, output(result, v.batch), source=f"{adapter.name}.train_step",
                              model_path=request.model, dtype=request.dtype)
         run.inputs_unchanged = unchanged_since(v.batch, state)

@@ -75,10 +75,24 @@ def unsupported(cfg: Config) -> list[str]:
             t.extra_padding_microbatches > 0,
         "actor.context_parallel_size > 1": act.context_parallel_size > 1,
         "distillation": act.distill.enable,
-        "rows that do not cut into mini-batches (data.train_batch_size % "
-        "actor.ppo_mini_batch_size)": cfg.data.train_batch_size % act.ppo_mini_batch_size != 0,
+        # verl asserts it (workers/engine/utils.py:125)
+        "fixed micro-batches that do not divide the mini-batch (ppo_mini_batch_size x "
+        "rollout.n % ppo_micro_batch_size_per_gpu)": not act.use_dynamic_bsz and (
+            act.ppo_mini_batch_size * cfg.rollout.n) % act.ppo_micro_batch_size_per_gpu != 0,
     }
     return [why for why, bad in checks.items() if bad]
+
+
+def rows_unsupported(cfg: Config, rows: int, dp: int = 1) -> str:
+    """Why verl cannot cut ``rows`` into ``cfg``'s mini-batches over ``dp`` ranks ("" if it
+    can): its trainer checks the batch is whole mini-batches (tensordict_utils.make_iterator
+    asserts it, utils/tensordict_utils.py:588); a batch smaller than a mini-batch is one."""
+    n = cfg.rollout.n
+    mini = min(cfg.actor.ppo_mini_batch_size, max(rows // n, 1)) * n
+    if rows % mini or mini % dp:
+        return (f"{rows} rows do not cut into mini-batches of {mini} rows over {dp} rank(s) "
+                f"(verl's make_iterator asserts it)")
+    return ""
 
 
 def verl_overrides(cfg: Config, *, model_path: str, dp: int, rows: int | None = None,

@@ -30,7 +30,10 @@ def test_unsupported_names_each_setting_it_cannot_map():
              "gae": ({"algorithm": {"adv_estimator": "gae"}}, "adv_estimator"),
              "norm": ({"actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}},
                       "loss_scale_factor"),
-             "padding": ({"trainer": {"extra_padding_microbatches": 1}}, "padding")}
+             "padding": ({"trainer": {"extra_padding_microbatches": 1}}, "padding"),
+             # 2 prompts x 4 = 8 rows per mini-batch, micro-batches of 3: verl asserts
+             "uneven": ({"actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 3},
+                         "rollout": {"n": 4}}, "divide")}
     for name, (cfg, word) in cases.items():
         why = unsupported(load_config(cfg))
         assert len(why) == 1 and word in why[0], (name, why)
@@ -66,3 +69,13 @@ def test_responses_laid_out_at_the_rollout_width():
     assert back.shape == (len(batch), r)
     longest = int(batch.tensors["response_lengths"].max())
     assert verl_tensors(batch, width=longest - 1)["responses"].shape[1] == r   # never cut a token
+
+
+def test_rows_verl_refuses_to_cut():
+    from rlaudit.targets.peers.verl_train import rows_unsupported
+    cfg = load_config({"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 2}})
+    assert rows_unsupported(cfg, 16) == ""              # two mini-batches of 8 rows
+    assert rows_unsupported(cfg, 4) == ""               # smaller than one: it is one
+    assert "12 rows" in rows_unsupported(cfg, 12)       # 8 + 4: verl asserts whole ones
+    assert "2 rank" in rows_unsupported(load_config({"rollout": {"n": 1}, "actor": {
+        "ppo_mini_batch_size": 3}}), 3, dp=2)           # 3 rows over 2 ranks
