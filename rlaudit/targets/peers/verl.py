@@ -30,6 +30,10 @@ trainer hands the function (float32, verl's mask dtypes, a ``DataProto`` with st
   DP ranks run as threads over a stand-in for ``torch.distributed`` (``_ThreadGroup``) so verl's
   own collective logic runs unchanged in one process.
 
+- ``train_step`` / ``replay``: verl's own training step on the release's engine (verl_step.py:
+  the FSDP engine worker on 0.9+, verl_train.py; the legacy Megatron actor on 0.7, verl_megatron.py),
+  every variant of a scenario in one group of ranks; ``supports`` says what it cannot map.
+
 docs/peers.md lists per version what is covered, the declared differences and what is n/a.
 """
 
