@@ -15,6 +15,7 @@ import torch
 
 from rlaudit.scenarios.invariants.base import (CheckContext, base_variant, invariant,
                                                not_applicable, result)
+from rlaudit.scenarios.invariants.logged import logged_agg, microbatch_rows
 from rlaudit.scenarios.invariants.naive import naive_agg, naive_kl
 from rlaudit.scenarios.invariants.seeds import one_minibatch
 
@@ -90,7 +91,9 @@ def rollout_correction(ctx: CheckContext):
                 continue
             mask, cfg = ctx.mask(name), ctx.variant(name).config
             rollout = ctx.batch_of(name)["rollout_log_probs"]
-            w, want = _recomputed(level, old.double(), rollout.double(), mask, rc, cfg, run)
+            micros = microbatch_rows(run, cfg, ctx.batch_of(name))
+            w, want = _recomputed(level, old.double(), rollout.double(), mask, rc, cfg, run,
+                                  micros)
             figures.append(f"{level}: mean w {want['rollout_corr/is_weight_mean']:.3g}, "
                            f"{want['rollout_corr/is_clipfrac']:.0%} outside")
             n, bad = _compare_level(scn, name, run, want, w, mask)
@@ -106,13 +109,14 @@ def rollout_correction(ctx: CheckContext):
 
 
 def _recomputed(level: str, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc,
-                cfg, run) -> tuple[list[list[float]], dict[str, float]]:
+                cfg, run, micros=None) -> tuple[list[list[float]], dict[str, float]]:
     """The IS weights w [B][R] at ``level`` recomputed by loops from ``old`` and ``rollout``
     log-probs [B, R] (float64) under ``mask`` [B, R], and the metrics they imply: the weight mean
     over valid tokens, the clip fraction (per valid token at ``token`` level, per row with a
     valid token otherwise), the mismatch metrics, ``actor/pg_loss`` from the run's advantages
     (not for cispo) and ``actor/rollout_kl`` when that loss is on. ``rc``: the scenario's
-    rollout-correction settings (threshold, mode); ``cfg``: the variant's config."""
+    rollout-correction settings (threshold, mode); ``cfg``: the variant's config; ``micros``:
+    the run's micro-batch rows, for a metric the config reduces as a micro-batch mean."""
     kl = cfg.actor.rollout_correction
     w, outside = naive_is_weights(old, rollout, mask, level=level,
                                   threshold=rc.rollout_is_threshold, mode=rc.rollout_is_mode,
@@ -133,9 +137,10 @@ def _recomputed(level: str, old: torch.Tensor, rollout: torch.Tensor, mask: torc
                                           cfg.actor.loss_agg_mode, cfg.actor.loss_scale_factor)
     if kl.use_rollout_kl_loss:
         mat = naive_kl(old, rollout, kl.rollout_kl_loss_type, k3_clamp=cfg.algorithm.k3_clamp)
-        if mat is not None:
-            want["actor/rollout_kl"] = naive_agg(mat, mask, cfg.actor.loss_agg_mode,
-                                                 cfg.actor.loss_scale_factor)
+        # as the run logs it (a micro-batch mean when the config says so; rows unknown: skip)
+        value = None if mat is None else logged_agg("actor/rollout_kl", mat, mask, cfg, micros)
+        if value is not None:
+            want["actor/rollout_kl"] = value
     return w, want
 
 
