@@ -27,8 +27,12 @@ trainer hands the function (float32, verl's mask dtypes, a ``DataProto`` with st
   actor's micro-batching: verl >= 0.8 the engine's ``prepare_micro_batches`` (dynamic batching
   through ``rearrange_micro_batches``, micro-batch counts all-reduced over the DP group), verl
   0.7 the legacy ``DataParallelPPOActor``'s (``prepare_dynamic_batch`` / ``DataProto.split``).
-  DP ranks run as threads over a stand-in for ``torch.distributed`` (``_ThreadGroup``) so verl's
+  DP ranks run as threads over a stand-in for ``torch.distributed`` (``verl_threads.ThreadGroup``) so verl's
   own collective logic runs unchanged in one process.
+
+- ``train_step`` / ``replay``: verl's own training step on the release's engine (verl_step.py:
+  the FSDP engine worker on 0.9+, verl_train.py; the legacy Megatron actor on 0.7, verl_megatron.py),
+  every variant of a scenario in one group of ranks; ``supports`` says what it cannot map.
 
 docs/peers.md lists per version what is covered, the declared differences and what is n/a.
 """
@@ -38,7 +42,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +55,9 @@ from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
 from rlaudit.targets.peers import verl_compat
 from rlaudit.targets.peers.registry import import_advice
+from rlaudit.targets.peers import verl_step, verl_train
+from rlaudit.targets.peers.verl_layout import verl_tensors
+from rlaudit.targets.peers.verl_threads import ThreadGroup
 
 
 #: verl computes everything the stages cover in float32 (log-probs, rewards, losses)
@@ -101,7 +108,16 @@ class VerlAdapter(TargetAdapter):
     #: local mean, reduced by mean (``AggregationType.MEAN`` in verl/workers/utils/losses.py,
     #: verl PR #4778); ``actor/pg_loss`` is the loss value, reduced by sum
     #: (``AggregationType.SUM``) whenever global counts are given: a contribution
-    metric_reduction = {"actor/pg_loss": "contribution", "*": "microbatch-mean"}
+    #: train_step: ``actor/loss`` is the sum of the micro-batches' losses (engine_workers.py:
+    #: 194), ``actor/entropy`` (verl's ``actor/entropy_loss``, verl_step) is reduced like
+    #: ``actor/pg_loss``: contributions
+    metric_reduction = {"actor/pg_loss": "contribution", "actor/loss": "contribution",
+                        "actor/entropy": "contribution", "*": "microbatch-mean"}
+    #: ``train_step``: verl's FSDP engine trains in fp32 (verl_train.py)
+    train_precision = "float32"
+    metric_names = verl_step.TRAIN_METRICS
+    #: data-parallel ranks of ``train_step`` (verl's FSDP engine over gloo)
+    dp = 1
     advantage_estimators = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus",
                             "reinforce_plus_plus_baseline")
     loss_modes = ("vanilla", "gspo", "cispo")
@@ -124,6 +140,15 @@ class VerlAdapter(TargetAdapter):
         #: verl < 0.8 trains with the legacy FSDP worker's DataParallelPPOActor by default
         #: (``trainer.use_legacy_worker_impl: auto``); 0.8+ has only the engine workers
         self.legacy_actor = importlib.util.find_spec("verl.workers.actor") is not None
+        #: the engine train_step drives (verl_step.engine_of): fsdp (0.9+), megatron (0.7)
+        self.engine = verl_step.engine_of()
+        if self.engine == "fsdp":
+            self.differences += verl_step.train_differences(self.version)
+        elif self.engine == "megatron":
+            # metric_reduction stays the stage functions' (pg_loss a contribution under global
+            # counts): the legacy actor passes none, the bug of verl #5863 (docs/peers.md)
+            self.metric_names = verl_step.MEGATRON_METRICS
+        self.peer = str(Path(verl.__file__).parent.parent)
 
     # ---- conversions -----------------------------------------------------------------------
     @staticmethod
@@ -251,6 +276,23 @@ class VerlAdapter(TargetAdapter):
     def value_loss(self, **kw):
         """``core_algos.compute_value_loss`` as this release's trainer calls it (verl_compat)."""
         return verl_compat.value_loss(self.core, **kw)
+    # ---- the whole training step --------------------------------------------------------------
+    def supports(self, config):
+        return verl_step.supports(config, engine=self.engine)
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        """verl's step on :attr:`engine` (verl_step), ``steps`` times on ``batch``;
+        ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
+        why = verl_train.rows_unsupported(config, len(batch), self.dp)
+        if why:
+            raise NotImplementedError(why)
+        (result,) = verl_step.run_jobs(self, model_path, [(batch, config, steps)], device)
+        return verl_step.output(result, batch)
+
+    def replay(self, request):
+        """Every supported variant of a scenario in one group of ranks (verl_step.replay)."""
+        return verl_step.replay(self, request)
 
     # ---- micro-batching ----------------------------------------------------------------------
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,
@@ -263,7 +305,7 @@ class VerlAdapter(TargetAdapter):
         if self.legacy_actor:
             per_rank = [self._legacy_micro(s, micro_batch_size, max_token_len) for s in shards]
         else:
-            per_rank = _ThreadGroup(dp_size).run(
+            per_rank = ThreadGroup(dp_size).run(
                 lambda rank, group: self._engine_micro(shards[rank].batch, group,
                                                        micro_batch_size, max_token_len))
         names = set(batch.tensors)
@@ -338,98 +380,3 @@ def _policy_cfg(loss_mode: str):
     # lazy: verl is optional, imported when audited
     from verl.workers.config.actor import PolicyLossConfig
     return PolicyLossConfig(loss_mode=loss_mode)
-
-
-def verl_tensors(batch: RolloutBatch) -> dict[str, torch.Tensor]:
-    """Every field of ``batch`` plus verl's sequence layout: ``input_ids`` / ``attention_mask``
-    ``[B, P + R]`` with the prompt left-padded and the response right-padded (verl's rollout
-    output), ``position_ids``, ``responses``."""
-    t = batch.tensors
-    b, p = t["prompt_ids"].shape
-    r = t["response_ids"].shape[1]
-    pl, rl = t["prompt_lengths"], t["response_lengths"]
-    cols_p = torch.arange(p).unsqueeze(0)
-    prompt_mask = cols_p >= (p - pl).unsqueeze(1)                 # left padding
-    src = (cols_p - (p - pl).unsqueeze(1)).clamp(min=0)
-    prompts = torch.where(prompt_mask, t["prompt_ids"].gather(1, src), 0)
-    resp_mask = torch.arange(r).unsqueeze(0) < rl.unsqueeze(1)
-    attention = torch.cat([prompt_mask, resp_mask], dim=1).to(torch.int64)
-    out = dict(t)
-    out.update(input_ids=torch.cat([prompts, t["response_ids"]], dim=1), attention_mask=attention,
-               position_ids=(attention.cumsum(1) - 1).clamp(min=0), responses=t["response_ids"])
-    return out
-
-
-class _ThreadGroup:
-    """DP ranks as threads, with a stand-in for ``torch.distributed`` that verl's
-    ``seqlen_balancing`` module uses while they run: ``all_reduce`` (MAX/MIN/SUM) meets every
-    rank at a barrier, as the collective does. verl 0.9 has no CPU platform (its device name is
-    ``cuda`` without a GPU), so the module's ``get_device_name`` is pointed at ``cpu`` too."""
-
-    TIMEOUT_S = 60.0
-
-    def __init__(self, world: int):
-        self.world = world
-        self.barrier = threading.Barrier(world, timeout=self.TIMEOUT_S)
-        self.slots: list[Any] = [None] * world
-
-    # what seqlen_balancing calls on ``dist``
-    ReduceOp = torch.distributed.ReduceOp
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM, group=None):
-        rank = group.rank
-        self.slots[rank] = tensor.detach().clone()
-        self.barrier.wait()
-        stacked = torch.stack(self.slots)
-        if op == torch.distributed.ReduceOp.MAX:
-            out = stacked.max(dim=0).values
-        elif op == torch.distributed.ReduceOp.MIN:
-            out = stacked.min(dim=0).values
-        elif op == torch.distributed.ReduceOp.SUM:
-            out = stacked.sum(dim=0)
-        else:
-            raise NotImplementedError(f"all_reduce op {op}")
-        self.barrier.wait()
-        tensor.copy_(out)
-
-    def run(self, fn):
-        """``fn(rank, group)`` on every rank in its own thread; results in rank order."""
-        # lazy: verl is optional, imported when audited
-        from verl.utils import seqlen_balancing as sb
-        results: list[Any] = [None] * self.world
-        errors: list[BaseException | None] = [None] * self.world
-
-        def body(rank):
-            try:
-                results[rank] = fn(rank, _Rank(rank))
-            except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
-                errors[rank] = e
-                self.barrier.abort()
-
-        saved = sb.dist, sb.get_device_name
-        sb.dist, sb.get_device_name = self, (lambda: "cpu")
-        try:
-            threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-        finally:
-            sb.dist, sb.get_device_name = saved
-        first = next((e for e in errors if e is not None
-                      and not isinstance(e, threading.BrokenBarrierError)), None)
-        if first is None:
-            first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        return results
-
-
-class _Rank:
-    """The ``dp_group`` handed to verl: only carries the rank for :class:`_ThreadGroup`."""
-
-    def __init__(self, rank: int):
-        self.rank = rank

@@ -1,7 +1,7 @@
 """One real verl >= 0.9 training step on CPU: verl's FSDP actor worker, driven by verl's trainer.
 
-    out = train_step(model_path, batch, cfg, dp=2)      # in rlaudit's own launcher, gloo
-    out["metrics"]["actor/pg_loss"], out["metrics"]["actor/grad_norm"], out["params"]
+    out = train_step(model_path, batch, cfg, dp=2, steps=2)   # in rlaudit's launcher, gloo
+    out["metrics"][step]["actor/pg_loss"], out["params"][step], out["tokens"]["advantages"]
 
 Each rank (:func:`train_rank`, started by :func:`rlaudit.backends.launch.launch` with the default
 process group already up) selects the CPU platform (``verl_cpu``), builds verl's
@@ -10,12 +10,13 @@ the overrides :func:`verl_overrides` maps from rlaudit's :class:`~rlaudit.config
 ``init_model`` (FSDP2 engine), and then the post-generation part of ``RayPPOTrainer.fit`` in fit's
 order (verl 0.9.1 trainer/ppo/ray_trainer.py:1586-1690): the trainer's own
 ``_compute_old_log_prob``, ``token_level_rewards = token_level_scores`` (no KL in reward),
-``compute_advantage``, the trainer's own ``_update_actor``, and ``reduce_metrics`` as fit reduces
-the actor's output. ``self`` of those trainer methods is a bare ``RayPPOTrainer`` with the config
+``compute_advantage``, the trainer's own ``_update_actor``, ``reduce_metrics`` as fit reduces
+the actor's output, and fit's ``compute_data_metrics``; ``steps`` times on the same batch with the
+same worker (:func:`fit_step`). ``self`` of those trainer methods is a bare ``RayPPOTrainer`` with the config
 and a worker-group stand-in (:class:`LocalWorkerGroup`). Nothing verl computes is re-implemented.
 
 Only what this step maps is accepted (:func:`unsupported`): no KL (loss or reward), no critic, no
-rollout correction, vanilla / gspo / cispo losses, float32.
+rollout correction, vanilla / gspo / cispo losses; float32 (a float64 config runs in float32).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rlaudit.backends.launch import launch
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.peers.registry import peers_dir
-from rlaudit.targets.peers.verl import verl_tensors
+from rlaudit.targets.peers.verl_layout import verl_tensors
 
 #: verl's own defaults, inside the installed package
 DEFAULT_CONFIG = "trainer/config/_generated_ppo_trainer.yaml"
@@ -45,36 +46,71 @@ _FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
 def unsupported(cfg: Config) -> list[str]:
-    """The settings of ``cfg`` this step does not map to verl (empty: it runs)."""
-    a, act = cfg.algorithm, cfg.actor
-    out = []
-    if a.adv_estimator not in ESTIMATORS:
-        out.append(f"algorithm.adv_estimator={a.adv_estimator!r} (critic/GAE not mapped)")
-    if act.use_kl_loss or a.use_kl_in_reward:
-        out.append("KL (actor.use_kl_loss / algorithm.use_kl_in_reward: no reference worker yet)")
-    if act.rollout_correction.rollout_is is not None:
-        out.append("actor.rollout_correction.rollout_is")
-    if act.loss_mode not in ("vanilla", "gspo", "cispo"):
-        out.append(f"actor.loss_mode={act.loss_mode!r}")
-    if cfg.trainer.dtype != "float32":
-        out.append(f"trainer.dtype={cfg.trainer.dtype!r} (verl's FSDP engine: fp32 at most, "
-                   f"verl/utils/torch_dtypes.py:61-69)")
-    if cfg.reward.overlong_buffer.enable:
-        out.append("reward.overlong_buffer")
-    return out
+    """The settings of ``cfg`` this step does not map to verl (empty: it runs). float64 runs in
+    float32, verl's widest training dtype (verl/utils/torch_dtypes.py:61-69): the adapter
+    declares ``train_precision = "float32"``, so comparisons use its tolerances."""
+    a, act, t = cfg.algorithm, cfg.actor, cfg.trainer
+    rc = act.rollout_correction
+    checks = {
+        f"algorithm.adv_estimator={a.adv_estimator!r} (critic/GAE not mapped)":
+            a.adv_estimator not in ESTIMATORS,
+        "KL (actor.use_kl_loss / algorithm.use_kl_in_reward: no reference worker yet)":
+            act.use_kl_loss or a.use_kl_in_reward,
+        "rollout correction (actor.rollout_correction)":
+            rc.rollout_is is not None or rc.use_rollout_kl_loss,
+        f"actor.loss_mode={act.loss_mode!r}": act.loss_mode not in ("vanilla", "gspo", "cispo"),
+        "actor.gspo_gradient=sequence (verl differentiates GSPO per token)":
+            act.gspo_gradient != "per-token",
+        "actor.loss_token_denominator=batch-mean": act.loss_token_denominator != "minibatch",
+        # agg_loss's L is then the micro-batch's padded width (core_algos.py:1190-1192)
+        "seq-mean-token-sum-norm without actor.loss_scale_factor":
+            act.loss_agg_mode == "seq-mean-token-sum-norm" and act.loss_scale_factor is None,
+        f"algorithm.grpo_std_eps={a.grpo_std_eps} (verl's is 1e-6)": a.grpo_std_eps != 1e-6,
+        f"trainer.dtype={t.dtype!r} (verl's FSDP engine trains in fp32 at most; bf16 is not "
+        f"this adapter's declared precision)": t.dtype not in ("float32", "float64"),
+        "reward.overlong_buffer": cfg.reward.overlong_buffer.enable,
+        "actor.shuffle (verl shuffles with its own seed per rank)": act.shuffle,
+        "trainer.balance_batch (a trainer method bound to live worker groups)": t.balance_batch,
+        "padding micro-batches (trainer.extra_padding_microbatches)":
+            t.extra_padding_microbatches > 0,
+        "actor.context_parallel_size > 1": act.context_parallel_size > 1,
+        "distillation": act.distill.enable,
+        # verl asserts it (workers/engine/utils.py:125)
+        "fixed micro-batches that do not divide the mini-batch (ppo_mini_batch_size x "
+        "rollout.n % ppo_micro_batch_size_per_gpu)": not act.use_dynamic_bsz and (
+            act.ppo_mini_batch_size * cfg.rollout.n) % act.ppo_micro_batch_size_per_gpu != 0,
+    }
+    return [why for why, bad in checks.items() if bad]
 
 
-def verl_overrides(cfg: Config, *, model_path: str, dp: int) -> dict[str, Any]:
+def rows_unsupported(cfg: Config, rows: int, dp: int = 1) -> str:
+    """Why verl cannot cut ``rows`` into ``cfg``'s mini-batches over ``dp`` ranks ("" if it
+    can): its trainer checks the batch is whole mini-batches (tensordict_utils.make_iterator
+    asserts it, utils/tensordict_utils.py:588); a batch smaller than a mini-batch is one."""
+    n = cfg.rollout.n
+    mini = min(cfg.actor.ppo_mini_batch_size, max(rows // n, 1)) * n
+    if rows % mini or mini % dp:
+        return (f"{rows} rows do not cut into mini-batches of {mini} rows over {dp} rank(s) "
+                f"(verl's make_iterator asserts it)")
+    return ""
+
+
+def verl_overrides(cfg: Config, *, model_path: str, dp: int, rows: int | None = None,
+                   device: str = "cpu") -> dict[str, Any]:
     """Dotted keys of verl's trainer config -> values: rlaudit's ``cfg`` in verl's names, plus the
-    CPU set (verl_cpu's docstring says why each)."""
+    CPU set (verl_cpu's docstring says why each). ``rows``: the batch's; a mini-batch is at most
+    the whole batch (verl's config check keeps ppo_mini_batch_size <= data.train_batch_size)."""
     act, a = cfg.actor, cfg.algorithm
+    mini = act.ppo_mini_batch_size
+    if rows is not None and rows >= cfg.rollout.n:
+        mini = min(mini, rows // cfg.rollout.n)
     estimator, norm = ESTIMATORS[a.adv_estimator]
     ar, actor = "actor_rollout_ref", "actor_rollout_ref.actor"
     low = act.clip_ratio if act.clip_ratio_low is None else act.clip_ratio_low
     high = act.clip_ratio if act.clip_ratio_high is None else act.clip_ratio_high
     micro = act.ppo_micro_batch_size_per_gpu
     return {
-        "trainer.device": "cpu", "trainer.n_gpus_per_node": dp, "trainer.nnodes": 1,
+        "trainer.device": device, "trainer.n_gpus_per_node": dp, "trainer.nnodes": 1,
         f"{ar}.model.path": str(model_path),
         f"{ar}.model.use_remove_padding": True,
         f"{ar}.model.enable_gradient_checkpointing": False,
@@ -83,7 +119,7 @@ def verl_overrides(cfg: Config, *, model_path: str, dp: int) -> dict[str, Any]:
         f"{actor}.fsdp_config.dtype": "float32", f"{actor}.fsdp_config.model_dtype": "fp32",
         f"{actor}.fsdp_config.mixed_precision": dict(_FP32),
         f"{actor}.fsdp_config.use_torch_compile": False, f"{actor}.use_torch_compile": False,
-        f"{actor}.ppo_mini_batch_size": act.ppo_mini_batch_size,
+        f"{actor}.ppo_mini_batch_size": mini,
         f"{actor}.ppo_micro_batch_size_per_gpu": micro,
         f"{actor}.use_dynamic_bsz": act.use_dynamic_bsz,
         f"{actor}.ppo_max_token_len_per_gpu": act.ppo_max_token_len_per_gpu,
@@ -99,7 +135,11 @@ def verl_overrides(cfg: Config, *, model_path: str, dp: int) -> dict[str, Any]:
         f"{actor}.optim.optimizer": OPTIMIZERS[act.optim.name],
         f"{actor}.optim.lr": act.optim.lr, f"{actor}.optim.weight_decay": act.optim.weight_decay,
         f"{actor}.optim.betas": list(act.optim.betas),
-        f"{actor}.optim.clip_grad": act.grad_clip,
+        # rlaudit's grad_clip <= 0 is "no clipping"; verl always clips (clip_grad_norm_ with
+        # max_norm 0 zeroes the gradient, fsdp/transformer_impl.py:808): inf clips nothing
+        f"{actor}.optim.clip_grad": act.grad_clip if act.grad_clip > 0 else float("inf"),
+        f"{actor}.optim.override_optimizer_config": (
+            {"eps": act.optim.eps} if act.optim.name == "adamw" else None),
         f"{ar}.rollout.n": cfg.rollout.n, f"{ar}.rollout.temperature": cfg.rollout.temperature,
         f"{ar}.rollout.log_prob_micro_batch_size_per_gpu": micro,
         "algorithm.adv_estimator": estimator, "algorithm.gamma": a.gamma, "algorithm.lam": a.lam,
@@ -108,25 +148,44 @@ def verl_overrides(cfg: Config, *, model_path: str, dp: int) -> dict[str, Any]:
     }
 
 
-def train_step(model_path, batch: RolloutBatch, cfg: Config, *, dp: int = 1,
-               version: str = "0.9.1", params: bool = True, timeout: float = 300.0) -> dict:
-    """One step of verl ``version`` (installed under the peers directory) on ``batch`` over
-    ``dp`` gloo ranks. Returns rank 0's result (:func:`train_rank`)."""
-    bad = unsupported(cfg)
-    if bad:
-        raise NotImplementedError(f"verl train_step does not map: {'; '.join(bad)}")
-    request = {"peer": str(peers_dir() / f"verl-{version}"), "params": params,
-               "overrides": verl_overrides(cfg, model_path=str(model_path), dp=dp),
-               "tensors": verl_tensors(batch)}
+def train_step(model_path, batch: RolloutBatch, cfg: Config, *, dp: int = 1, steps: int = 1,
+               version: str = "0.9.1", peer: str | None = None, params: bool = True,
+               device: str = "cpu", backend: str | None = None, timeout: float = 300.0) -> dict:
+    """``steps`` training steps of verl ``version`` (installed under the peers directory; or the
+    one whose package lies in ``peer``) on ``batch`` over ``dp`` ranks (gloo on ``cpu``, NCCL on
+    ``cuda``, or ``backend``). Returns rank 0's result (:func:`train_rank`)."""
+    return train_steps(model_path, [(batch, cfg, steps)], dp=dp, version=version, peer=peer,
+                       params=params, device=device, backend=backend, timeout=timeout)[0]
+
+
+def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, dp: int = 1,
+                version: str = "0.9.1", peer: str | None = None, params: bool = True,
+                device: str = "cpu", backend: str | None = None,
+                timeout: float = 300.0) -> list[dict]:
+    """:func:`train_step` for each ``(batch, config, steps)`` of ``jobs``, one after the other in
+    one group of ranks (verl imported once; a fresh worker per job). ``timeout`` is per job."""
+    for _batch, cfg, _steps in jobs:
+        bad = unsupported(cfg)
+        if bad:
+            raise NotImplementedError(f"verl train_step does not map: {'; '.join(bad)}")
+    request = {"peer": peer or str(peers_dir() / f"verl-{version}"), "params": params,
+               "device": device,
+               "jobs": [{"steps": steps,
+                         "tensors": verl_tensors(batch, width=cfg.rollout.response_length),
+                         "overrides": verl_overrides(cfg, model_path=str(model_path), dp=dp,
+                                                     rows=len(batch), device=device)}
+                        for batch, cfg, steps in jobs]}
     # env: spawned ranks (never forked from a parent that may have resolved another platform)
-    env = {"VERL_PLATFORM": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    return launch(train_rank, dp, args=(request,), env=env, timeout=timeout)[0]
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if device == "cpu":
+        env["VERL_PLATFORM"] = "cpu"
+    return launch(train_rank, dp, args=(request,), env=env, timeout=timeout * len(jobs),
+                  device=device, backend=backend)[0]
 
 
-def train_rank(info, request: dict) -> dict:
-    """The rank body (module docstring): returns metrics (verl's names, reduced as fit reduces
-    them), the old log-probs and advantages verl computed, and (rank 0) the parameters after the
-    step by Hugging Face name."""
+def train_rank(info, request: dict) -> list[dict]:
+    """The rank body (module docstring): per job, a fresh actor worker trained ``steps`` times
+    on the job's batch (:func:`train_job`)."""
     peer = request["peer"]
     # a rank spawned from a process that activated other peers (a test session that ran TRL's or
     # SkyRL's adapter) inherits their directories on sys.path, and verl imports trl whenever one is
@@ -135,40 +194,72 @@ def train_rank(info, request: dict) -> dict:
     sys.path[:] = [p for p in sys.path if p == peer or Path(p).parent != Path(peer).parent]
     if peer not in sys.path:
         sys.path.insert(0, peer)
-    # lazy: verl is an optional peer; the platform must be selected before verl.trainer/workers
-    from rlaudit.targets.peers import verl_cpu
-    verl_cpu.select()
-    # lazy: after select() (the trainer resolves verl's platform on import)
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
-    from verl.utils.metric import reduce_metrics  # lazy: verl peer, after select()
-    from verl.workers.engine_workers import ActorRolloutRefWorker  # lazy: after select()
+    if request["device"] == "cpu":
+        # lazy: verl is an optional peer; the platform must be selected before verl.trainer
+        from rlaudit.targets.peers import verl_cpu
+        verl_cpu.select()
+    return [train_job(info, job, params=request["params"]) for job in request["jobs"]]
 
-    cfg = _verl_config(request["overrides"])
+
+def train_job(info, job: dict, *, params: bool) -> dict:
+    """One job, ``job["steps"]`` times on the same batch: per step the metrics (verl's names,
+    reduced as fit reduces them) and (rank 0) the parameters after it by Hugging Face name; the
+    per-token tensors step 0 held (old log-probs and entropy of the initial policy, scores,
+    rewards, advantages, returns)."""
+    # lazy: verl is an optional peer, imported after the platform is selected (train_rank)
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.workers.engine_workers import ActorRolloutRefWorker  # lazy: as above
+
+    cfg = _verl_config(job["overrides"])
     worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
     worker.init_model()
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
     trainer.config = cfg
     trainer.actor_rollout_wg = LocalWorkerGroup(worker, info.rank, info.world_size)
-    batch = _proto(request["tensors"], cfg)
-    # fit(), ray_trainer.py:1586-1611: old log-probs through the actor worker, entropys dropped
+    result: dict[str, Any] = {"metrics": [], "raw_metrics": [], "params": []}
+    for step in range(job["steps"]):
+        metrics, raw, tokens = fit_step(trainer, rollout_proto(job["tensors"], cfg))
+        result["metrics"].append(metrics)
+        result["raw_metrics"].append(raw)
+        if step == 0:
+            result["tokens"] = tokens
+        state = full_params(worker.actor.engine.module) if params else None
+        if info.rank == 0 and state is not None:
+            result["params"].append(state)
+    return result
+
+
+def fit_step(trainer, batch) -> tuple[dict, dict, dict]:
+    """The post-generation part of one ``RayPPOTrainer.fit`` iteration (verl 0.9.1
+    ray_trainer.py:1586-1772) with the trainer's own methods: old log-probs (with the initial
+    policy's entropy, which that pass always computes), rewards = scores (no KL in reward, 1643),
+    ``compute_advantage``, ``_update_actor``, ``reduce_metrics`` of the actor's output, and
+    ``compute_data_metrics`` (1772). Returns (reduced metrics, verl's raw lists, step tensors).
+    fit's own ``actor/entropy`` (the old-log-prob pass's entropy, 1590) is left out: rlaudit's
+    ``actor/entropy`` is the update's entropy, verl's ``actor/entropy_loss`` (verl_step)."""
+    # lazy: verl is an optional peer, imported after the platform is selected
+    from verl.trainer.ppo.metric_utils import compute_data_metrics
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage  # lazy: as above
+    from verl.utils.metric import reduce_metrics  # lazy: as above
+
+    cfg = trainer.config
     old, _mfu = RayPPOTrainer._compute_old_log_prob(trainer, batch)
-    old.batch.pop("entropys")
+    entropys = old.batch.pop("entropys")
     batch = batch.union(old)
-    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]   # fit(), 1643
+    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
     alg = cfg.algorithm
     batch = compute_advantage(batch, adv_estimator=alg.adv_estimator, gamma=alg.gamma,
                               lam=alg.lam, num_repeat=cfg.actor_rollout_ref.rollout.n,
                               norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg)
     out = RayPPOTrainer._update_actor(trainer, batch)
     raw = out.meta_info["metrics"]
-    result = {"metrics": {k: float(v) for k, v in reduce_metrics(raw).items()},
-              "raw_metrics": {k: _plain(v) for k, v in raw.items()},
-              "old_log_probs": batch.batch["old_log_probs"].detach().clone(),
-              "advantages": batch.batch["advantages"].detach().clone()}
-    params = full_params(worker.actor.engine.module) if request["params"] else None
-    if info.rank == 0:
-        result["params"] = params
-    return result
+    metrics = {k: float(v) for k, v in reduce_metrics(raw).items()}
+    metrics.update(compute_data_metrics(batch=batch, use_critic=False))
+    tokens = {k: batch.batch[k].detach().clone() for k in
+              ("old_log_probs", "advantages", "returns", "token_level_scores",
+               "token_level_rewards")}
+    tokens["entropys"] = entropys.detach().clone()
+    return metrics, {k: _plain(v) for k, v in raw.items()}, tokens
 
 
 def _verl_config(overrides: dict[str, Any]):
@@ -181,7 +272,7 @@ def _verl_config(overrides: dict[str, Any]):
     return cfg
 
 
-def _proto(tensors: dict[str, torch.Tensor], cfg):
+def rollout_proto(tensors: dict[str, torch.Tensor], cfg):
     """rlaudit's batch as verl's rollout hands it to the trainer: verl's layout (verl_tensors),
     int64 response mask, the score on the last response token, string uids."""
     # lazy: verl is an optional peer

@@ -3,6 +3,9 @@ own reference update on the same batch and config: an independent computation of
 (old log-probs, GRPO advantages, two SGD optimizer steps of the PPO-clip loss, token-mean, no KL,
 entropy_coeff 0), float32 on both sides.
 
+The last test runs the same step on CUDA with NCCL (marked ``gpu``, for the nightly job): device
+and backend are its parameters.
+
 verl's pg_loss is the global mini-batch value (rlaudit's default ``metric_reduction``,
 "contribution"), but its pg_clipfrac / ppo_kl are means over micro-batches (verl's Metric
 aggregation): those two are compared with the reference run under the declared convention
@@ -74,12 +77,12 @@ def test_verl_fsdp_step_matches_reference(verl_dp1):
     ref, micro_ref = (ReferenceAdapter().train_step(model_path=MODEL, batch=_dp_ordered(),
                                                     config=_config(reduction), steps=1)
                       for reduction in ("contribution", "microbatch-mean"))
-    got = verl_dp1["metrics"]
+    got = verl_dp1["metrics"][0]
     for key, want in (("actor/pg_loss", ref), ("actor/grad_norm", ref),
                       ("actor/pg_clipfrac", micro_ref), ("actor/ppo_kl", micro_ref)):
         assert got[key] == pytest.approx(float(want.metrics[0][key]), rel=RTOL, abs=1e-6), key
     assert got["actor/pg_loss"] != 0 and got["actor/pg_clipfrac"] > 0   # not a vacuous step
-    params = verl_dp1["params"]
+    params = verl_dp1["params"][0]
     assert set(params) == set(ref.params[0])
     before = load_file(str(MODEL / "model.safetensors"))
     moved = max((params[n].reshape(-1) - before[n].reshape(-1).float()).abs().max().item()
@@ -94,6 +97,25 @@ def test_verl_fsdp_step_dp2_equals_dp1(verl_dp1):
     # the rollout in its own order: at dp 2 verl trains the rows of _dp_ordered's steps
     dp2 = train_step(MODEL, load_rollout(ROLLOUT), _config(), dp=2)
     for key in ("actor/pg_loss", "actor/grad_norm"):
-        assert dp2["metrics"][key] == pytest.approx(verl_dp1["metrics"][key], rel=RTOL), key
-    for name, value in verl_dp1["params"].items():
-        torch.testing.assert_close(dp2["params"][name], value, rtol=RTOL, atol=1e-6, msg=name)
+        assert dp2["metrics"][0][key] == pytest.approx(verl_dp1["metrics"][0][key], rel=RTOL), key
+    for name, value in verl_dp1["params"][0].items():
+        torch.testing.assert_close(dp2["params"][0][name], value, rtol=RTOL, atol=1e-6, msg=name)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("device,backend,dp", [("cuda", "nccl", 1), ("cuda", "nccl", 2)])
+def test_verl_fsdp_step_on_device(verl_dp1, device, backend, dp):
+    """The same step on verl's own platform (nvidia) with NCCL: as the CPU step (float32 on
+    both; GPU kernels reduce in other orders, hence 10x the CPU tolerance)."""
+    if torch.cuda.device_count() < dp:
+        pytest.skip(f"needs {dp} CUDA devices")
+    batch = _dp_ordered() if dp == 1 else load_rollout(ROLLOUT)
+    got = train_step(MODEL, batch, _config(), dp=dp, device=device, backend=backend)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert got["metrics"][0][key] == pytest.approx(verl_dp1["metrics"][0][key],
+                                                       rel=10 * RTOL), key
+    for name, value in verl_dp1["params"][0].items():
+        torch.testing.assert_close(got["params"][0][name].cpu(), value, rtol=10 * RTOL,
+                                   atol=1e-5, msg=name)
