@@ -10,6 +10,7 @@ runs, not while the command still imports.
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -31,5 +32,9 @@ reference.ReferenceBackend.replay = flagged(reference.ReferenceBackend.replay)
 pool.RankPool._run_task = flagged(pool.RankPool._run_task)
 
 if __name__ == "__main__":
+    # a process started with SIGINT ignored keeps it ignored, and Python then installs no
+    # KeyboardInterrupt handler: a test run launched as `make test &` from a script, or a worker
+    # that ignores SIGINT, would send a Ctrl-C nobody hears; a user's terminal delivers it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = ["rlaudit", *sys.argv[2:]]
     entry()

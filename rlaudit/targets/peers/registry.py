@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -89,6 +90,7 @@ def activate(name: str, version: str | None = None) -> str | None:
         versions = installed_versions(name)
         if importlib.util.find_spec(_module_of(name)) is not None:
             if versions and str(peers_dir() / f"{name}-{versions[-1]}") not in sys.path:
+                leave_other_peers(peers_dir() / f"{name}-{versions[-1]}")
                 sys.path.append(str(peers_dir() / f"{name}-{versions[-1]}"))
                 _refresh_probes()
             return None
@@ -101,9 +103,30 @@ def activate(name: str, version: str | None = None) -> str | None:
         have = ", ".join(installed_versions(name)) or "none"
         raise InputError(f"{name}=={version} is not installed under {peers_dir()} (installed: "
                          f"{have}; run `make peers`, see docs/peers.md)", key="--target")
+    leave_other_peers(path)
     sys.path.insert(0, str(path))
     _refresh_probes()
     return version
+
+
+def leave_other_peers(keep: Path) -> None:
+    """One peer directory per process: every other ``<peers dir>/<name>-<version>`` leaves
+    ``sys.path``, and the modules imported from one leave ``sys.modules``. Peers pin different
+    releases of the same packages (TRL's accelerate, OpenRLHF's accelerate and deepspeed): a
+    directory left on the path, or a module left imported, makes the next peer import the other's
+    release (transformers imports DeepSpeed glue whenever deepspeed is importable)."""
+    roots = {str(peers_dir()), str(peers_dir().resolve())}
+    mine = {str(keep), str(keep.resolve())}
+
+    def other(location: str) -> bool:
+        return (any(location.startswith(r + os.sep) for r in roots)
+                and not any(location == m or location.startswith(m + os.sep) for m in mine))
+
+    sys.path[:] = [p for p in sys.path if not other(p)]
+    for name, module in list(sys.modules.items()):
+        location = getattr(module, "__file__", None)
+        if location and other(location):
+            del sys.modules[name]
 
 
 def _refresh_probes() -> None:

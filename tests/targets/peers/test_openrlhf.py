@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -31,9 +33,17 @@ def _installed(version: str) -> None:
                     f"peers`, docs/peers.md)")
 
 
+#: set in the process of :func:`test_hand_worked_examples_in_their_own_process`
+CHILD = "RLAUDIT_OPENRLHF_CHILD"
+
+
 @pytest.fixture(scope="module")
 def orl():
-    """The adapter over the pinned release, in this process."""
+    """The adapter over the pinned release, in a pytest process of its own: OpenRLHF's import
+    pulls in ~5,600 modules (deepspeed, accelerate and peft of its own pins among them), which
+    would stay in a shared test worker and change what TRL's Trainer imports after it."""
+    if not os.environ.get(CHILD):
+        pytest.skip("runs in its own process: test_hand_worked_examples_in_their_own_process")
     _installed(PINNED)
     peers.activate("openrlhf", PINNED)
     from rlaudit.targets.peers.openrlhf import OpenRLHFAdapter  # lazy: needs the peer on the path
@@ -75,6 +85,21 @@ def test_release_before_the_empty_row_fix_is_red(tmp_path):
 
 
 # ---- stages on hand-worked examples ---------------------------------------------------------
+
+def test_hand_worked_examples_in_their_own_process():
+    """Every test below (they take ``orl``), in one child pytest process."""
+    _installed(PINNED)
+    if os.environ.get(CHILD):
+        pytest.skip("this is the child process")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:xdist",
+         "-p", "no:cacheprovider", __file__, "-k", "not own_process and not release"],
+        env={**os.environ, CHILD: "1"}, capture_output=True, text=True, timeout=600,
+        cwd=os.path.dirname(__file__))
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert "7 passed" in proc.stdout and "failed" not in proc.stdout, tail
+
 
 def test_flash_attn_placeholders_leave_no_trace(orl):
     assert "flash_attn" not in sys.modules

@@ -42,6 +42,15 @@ FAMILY = ["trl_gradacc_uneven", "trl_seq_importance", "trl_group_of_three", "trl
 BUG_SCENARIO = "trl_gradacc_uneven"
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _trl_active():
+    """TRL's directory first on the path again when this module's tests run: collection
+    imports every peer's test module, and each activation leaves the other peers' directories
+    (registry.leave_other_peers), so the last module collected would otherwise win."""
+    activate("trl", VERSION)
+
+
 @functools.cache
 def _gt():
     """TRL's GRPO trainer module, imported on first use (what it imports is frozen after the

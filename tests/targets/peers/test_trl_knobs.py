@@ -25,11 +25,18 @@ except (InputError, ImportError) as e:  # pragma: no cover - depends on the mach
 from rlaudit.targets.fuzz.coverage import coverage  # noqa: E402
 from rlaudit.targets.peers import trl_knobs  # noqa: E402
 from rlaudit.targets.peers.trl import TRLAdapter  # noqa: E402
-
 from peer_cli import REPO  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DOC = REPO / "docs" / "targets.md"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _trl_active():
+    """TRL's directory first on the path again when this module's tests run: collection
+    imports every peer's test module, and each activation leaves the other peers' directories
+    (registry.leave_other_peers), so the last module collected would otherwise win."""
+    activate("trl", None)
 
 
 @pytest.fixture(scope="module")
