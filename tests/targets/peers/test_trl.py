@@ -94,7 +94,8 @@ def _differs_only_as(checks, invariant, *names):
 
 
 def test_family_end_to_end_no_undeclared_failure():
-    checks = _run(trl_peer.TRLAdapter(), FAMILY)
+    adapter = trl_peer.TRLAdapter()
+    checks = _run(adapter, FAMILY)
     assert not _undeclared(checks), _undeclared(checks)
     # what must really have run (not n/a) on TRL's own code, under TRL's declared conventions
     for name in ("rollout-parity",                    # temperature in the forward
@@ -103,7 +104,7 @@ def test_family_end_to_end_no_undeclared_failure():
                  "entropy-logged-when-coeff-zero",     # the micro-batch means recomputed
                  "row-permutation", "microbatch-invariance", "sanity-bounds",
                  "no-input-mutation"):
-        assert _status([c for c in checks if c.backend == "trl"], name) == {"pass"}, name
+        assert _status([c for c in checks if c.backend == adapter.name], name) == {"pass"}, name
     # parity: GSPO sequence ratios over 2 iterations agree exactly; on the uneven token-mean
     # scenario the clip fraction of the advantage that is 0 up to float32 rounding (TRL's 0, the
     # reference's -1.5e-8) is within the noise floor's undecided tokens -- once a declared
@@ -114,9 +115,10 @@ def test_family_end_to_end_no_undeclared_failure():
 
 
 def test_builtin_scenario_no_undeclared_failure():
-    checks = _run(trl_peer.TRLAdapter(), columns=["reference"])
+    adapter = trl_peer.TRLAdapter()
+    checks = _run(adapter, columns=["reference"])
     assert not _undeclared(checks), _undeclared(checks)
-    mine = [c for c in checks if c.backend == "trl"]
+    mine = [c for c in checks if c.backend == adapter.name]
     for name in ("rollout-parity", "no-input-mutation", "on-policy-identities",
                  "entropy-logged-when-coeff-zero", "row-permutation", "microbatch-invariance",
                  "grad-norm-identity", "masked-values", "padding-appended", "sanity-bounds",
@@ -142,8 +144,6 @@ def test_kl_term_agrees_only_under_its_declared_conventions():
     the KL variants: on-policy the two have equal values but not equal gradients, and the
     second epoch's ratio is not 1 (docs/peers.md, "TRL")."""
     class WithoutRatio(trl_peer.TRLAdapter):
-        name = "trl"
-
         def __init__(self):
             super().__init__()
             self.differences = tuple(
