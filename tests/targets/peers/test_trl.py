@@ -233,3 +233,30 @@ def test_bug_stale_old_log_probs_caught_by_backend_parity():
     checks = _run(adapter, [BUG_SCENARIO], ["backend-parity"])
     assert _status(checks, "backend-parity") == {"fail"}
     assert _params_differ(checks)
+
+
+def test_a_grpo_config_key_the_release_lacks_is_unsupported_not_a_failure(tiny_model):
+    """A release whose GRPOConfig has no field for a key the scenario needs (stand-in: the
+    installed GRPOConfig without ``delta``) makes train_step's checks ``unsupported`` naming the
+    key and release; before, GRPOConfig's TypeError read as a failed metrics-are-copies."""
+    from trl import GRPOConfig
+
+    from rlaudit.targets.stages import run_stage_checks
+
+    class NoDelta:   # the release's GRPOConfig, as the adapter reads it: its fields
+        __dataclass_fields__ = {k: f for k, f in GRPOConfig.__dataclass_fields__.items()
+                                if k != "delta"}
+
+        def __new__(cls, **kw):
+            raise AssertionError(f"built despite the missing key: {sorted(kw)[:3]}...")
+
+    class Lacking(trl_peer.TRLAdapter):
+        config_class = NoDelta
+
+    adapter = Lacking()
+    checks = run_stage_checks(adapter, stages=["train_step"], model_path=tiny_model).checks
+    assert checks and {c.status for c in checks} == {"unsupported"}, [
+        (c.invariant, c.status, c.message) for c in checks]
+    for c in checks:
+        assert f"TRL {adapter.version} lacks GRPOConfig delta=" in c.message, c.message
+        assert c.backend == f"trl-{adapter.version}"
