@@ -47,7 +47,7 @@ LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
 #: rlaudit loss_mode -> TRL importance_sampling_level (ratio per token, or per sequence = GSPO)
 IS_LEVELS = {"vanilla": "token", "gspo": "sequence"}
 
-SUPPORTED = ("1.0", "1.5", "1.14", "1.16")
+SUPPORTED = ("1.0", "1.5", "1.9", "1.14", "1.16")
 
 
 def trl_version() -> str:
