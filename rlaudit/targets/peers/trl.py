@@ -39,6 +39,7 @@ import torch
 from rlaudit.targets.contract.adapter import TargetAdapter, TrainStepOutput
 from rlaudit.targets.peers.trl_declared import (canonical_kl, declared_differences,
                                                 entropy_bonus_link, kl_link)
+from rlaudit.targets.peers.trl_release import release_config_kwargs, train_precision_of
 
 #: rlaudit loss_agg_mode -> TRL loss_type (how TRL aggregates per-token losses)
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
@@ -46,7 +47,7 @@ LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
 #: rlaudit loss_mode -> TRL importance_sampling_level (ratio per token, or per sequence = GSPO)
 IS_LEVELS = {"vanilla": "token", "gspo": "sequence"}
 
-SUPPORTED = ("1.14", "1.16")
+SUPPORTED = ("1.0", "1.5", "1.9", "1.14", "1.16")
 
 
 def trl_version() -> str:
@@ -56,19 +57,6 @@ def trl_version() -> str:
 
 def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
-
-
-#: the first release whose log-probs come from TRL's fused LM head (its log-sum-exp accumulates
-#: in float32 whatever the model dtype); before it, log_softmax of the model's own-dtype logits
-FUSED_LOGPROBS_SINCE = (1, 15)
-
-
-def train_precision_of(version: str) -> str:
-    """The precision TRL ``version`` trains in: compared as numbers (as text, "1.2" would sort
-    after "1.15" and 1.2-1.9 would be held to float32's looser tolerance)."""
-    major_minor = tuple(int("".join(c for c in part if c.isdigit()) or 0)
-                        for part in version.split(".")[:2])
-    return "float32" if major_minor >= FUSED_LOGPROBS_SINCE else "hf-float64"
 
 
 # ---- metric mapping -------------------------------------------------------------------------
@@ -254,9 +242,12 @@ class TRLAdapter(TargetAdapter):
     #: logged in every configuration (the others depend on the config: metric_map)
     metric_names = ("actor/grad_norm", "actor/lr", "actor/loss", "critic/score/mean")
     trainer_class = None          # tests may swap in a subclass of TRL's GRPOTrainer
+    config_class = None           # tests may swap in a stand-in of a release's GRPOConfig
 
     def __init__(self):
         self.version = trl_version()
+        # the report column names the release audited (as verl's and SkyRL's do)
+        self.name = f"trl-{self.version}"
         minor = _minor(self.version)
         if minor not in SUPPORTED:
             warnings.warn(f"TRL {self.version} is not a version this adapter was checked "
@@ -328,8 +319,9 @@ class TRLAdapter(TargetAdapter):
         if rows % mini:
             raise NotImplementedError(f"{rows} rows do not cut into mini-batches of {mini}")
         with tempfile.TemporaryDirectory(prefix="rlaudit-trl-") as tmp:
-            args = trl.GRPOConfig(**trl_config_kwargs(config, rows, batch.response_width, tmp,
-                                                      steps))
+            kwargs = trl_config_kwargs(config, rows, batch.response_width, tmp, steps)
+            config_class = self.config_class or trl.GRPOConfig
+            args = config_class(**release_config_kwargs(config_class, kwargs, self.version))
             dataset = datasets.Dataset.from_dict({"prompt": rollout.prompts()})
             policy = gt.create_model_from_path(str(model_path), **args.model_init_kwargs)
             captured: dict = {"params": [], "first": None}

@@ -11,13 +11,21 @@ from rlaudit.targets.contract.declare import Difference
 TRL_ORIGIN = "https://github.com/huggingface/trl/blob/v{v}/trl/trainer/grpo_trainer.py"
 
 
-#: line numbers of the cited code in grpo_trainer.py at each pinned tag
+#: line numbers of the cited code in grpo_trainer.py at each audited tag (1.0.0 and 1.5.1 have
+#: no entropy bonus: :func:`entropy_bonus_link` cites the newest tag for them)
 _LINES = {"1.16.0": {"eps": 2787, "grpo": 3154, "dr_grpo": 3164, "dapo": 3170, "luspo": 3179,
                      "entropy_bonus": 3199, "metric": 3259, "num_items": 2498,
                      "kl": 3100, "sequence": 3087},
           "1.14.2": {"eps": 2853, "grpo": 3225, "dr_grpo": 3235, "dapo": 3241, "luspo": 3250,
                      "entropy_bonus": 3270, "metric": 3330, "num_items": 2560,
-                     "kl": 3171, "sequence": 3158}}
+                     "kl": 3171, "sequence": 3158},
+          "1.9.2": {"eps": 2707, "grpo": 3125, "dr_grpo": 3135, "dapo": 3141, "luspo": 3148,
+                    "entropy_bonus": 3171, "metric": 3232, "num_items": 2427, "kl": 3071,
+                    "sequence": 3058},
+          "1.5.1": {"eps": 2167, "grpo": 2567, "dr_grpo": 2575, "dapo": 2579, "luspo": 2583,
+                    "metric": 2592, "num_items": 1772, "kl": 2513, "sequence": 2500},
+          "1.0.0": {"eps": 1989, "grpo": 2389, "dr_grpo": 2397, "dapo": 2401, "luspo": 2405,
+                    "metric": 2414, "num_items": 1660, "kl": 2335, "sequence": 2322}}
 
 
 #: TRL's deliberate choices that rlaudit's reference computes too, declared as conventions:
@@ -97,6 +105,6 @@ def kl_link(version: str) -> str:
 
 
 def entropy_bonus_link(version: str) -> str:
-    lines = _LINES.get(version, _LINES["1.16.0"])
-    return (TRL_ORIGIN.format(v=version if version in _LINES else "1.16.0")
-            + f"#L{lines['entropy_bonus']}")
+    if "entropy_bonus" not in _LINES.get(version, {}):
+        version = "1.16.0"
+    return TRL_ORIGIN.format(v=version) + f"#L{_LINES[version]['entropy_bonus']}"

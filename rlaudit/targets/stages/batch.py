@@ -26,6 +26,7 @@ from rlaudit.targets.inputs import builtin
 from rlaudit.targets.stages.common import row_key, same_mask
 from rlaudit.targets.stages.registry import StageEnv, attempt, stage_check
 from rlaudit.verdict.result import NA, CheckResult
+from rlaudit.verdict.unsupported import UnsupportedFeature
 
 #: (dp_size, micro_batch_size, max_token_len, extra_padding): exactly one of micro_batch_size and
 #: max_token_len is set. Padding micro-batches arise at (2, None, 16) on rank 1, (3, None, 12) on
@@ -303,6 +304,8 @@ def _train_runs(env: StageEnv):
         first = env.adapter.train_step(steps=1, **kw)
         values = [metric_floats(m, "train_step") for m in first.metrics]
         second = env.adapter.train_step(steps=2, **kw)
+    except UnsupportedFeature:   # the adapter says the release cannot: each check unsupported
+        raise
     except (Exception, SystemExit) as e:  # the adapter's failure on a valid batch is the finding
         env._train_runs = AdapterRaised("train_step", e)
         return env._train_runs

@@ -103,7 +103,8 @@ def _differs_only_as(checks, invariant, *names):
 
 
 def test_family_end_to_end_no_undeclared_failure():
-    checks = _run(trl_peer.TRLAdapter(), FAMILY)
+    adapter = trl_peer.TRLAdapter()
+    checks = _run(adapter, FAMILY)
     assert not _undeclared(checks), _undeclared(checks)
     # what must really have run (not n/a) on TRL's own code, under TRL's declared conventions
     for name in ("rollout-parity",                    # temperature in the forward
@@ -112,7 +113,7 @@ def test_family_end_to_end_no_undeclared_failure():
                  "entropy-logged-when-coeff-zero",     # the micro-batch means recomputed
                  "row-permutation", "microbatch-invariance", "sanity-bounds",
                  "no-input-mutation"):
-        assert _status([c for c in checks if c.backend == "trl"], name) == {"pass"}, name
+        assert _status([c for c in checks if c.backend == adapter.name], name) == {"pass"}, name
     # parity: GSPO sequence ratios over 2 iterations agree exactly; on the uneven token-mean
     # scenario the clip fraction of the advantage that is 0 up to float32 rounding (TRL's 0, the
     # reference's -1.5e-8) is within the noise floor's undecided tokens -- once a declared
@@ -123,9 +124,10 @@ def test_family_end_to_end_no_undeclared_failure():
 
 
 def test_builtin_scenario_no_undeclared_failure():
-    checks = _run(trl_peer.TRLAdapter(), columns=["reference"])
+    adapter = trl_peer.TRLAdapter()
+    checks = _run(adapter, columns=["reference"])
     assert not _undeclared(checks), _undeclared(checks)
-    mine = [c for c in checks if c.backend == "trl"]
+    mine = [c for c in checks if c.backend == adapter.name]
     for name in ("rollout-parity", "no-input-mutation", "on-policy-identities",
                  "entropy-logged-when-coeff-zero", "row-permutation", "microbatch-invariance",
                  "grad-norm-identity", "masked-values", "padding-appended", "sanity-bounds",
@@ -151,8 +153,6 @@ def test_kl_term_agrees_only_under_its_declared_conventions():
     the KL variants: on-policy the two have equal values but not equal gradients, and the
     second epoch's ratio is not 1 (docs/peers.md, "TRL")."""
     class WithoutRatio(trl_peer.TRLAdapter):
-        name = "trl"
-
         def __init__(self):
             super().__init__()
             self.differences = tuple(
@@ -242,3 +242,30 @@ def test_bug_stale_old_log_probs_caught_by_backend_parity():
     checks = _run(adapter, [BUG_SCENARIO], ["backend-parity"])
     assert _status(checks, "backend-parity") == {"fail"}
     assert _params_differ(checks)
+
+
+def test_a_grpo_config_key_the_release_lacks_is_unsupported_not_a_failure(tiny_model):
+    """A release whose GRPOConfig has no field for a key the scenario needs (stand-in: the
+    installed GRPOConfig without ``delta``) makes train_step's checks ``unsupported`` naming the
+    key and release; before, GRPOConfig's TypeError read as a failed metrics-are-copies."""
+    from trl import GRPOConfig
+
+    from rlaudit.targets.stages import run_stage_checks
+
+    class NoDelta:   # the release's GRPOConfig, as the adapter reads it: its fields
+        __dataclass_fields__ = {k: f for k, f in GRPOConfig.__dataclass_fields__.items()
+                                if k != "delta"}
+
+        def __new__(cls, **kw):
+            raise AssertionError(f"built despite the missing key: {sorted(kw)[:3]}...")
+
+    class Lacking(trl_peer.TRLAdapter):
+        config_class = NoDelta
+
+    adapter = Lacking()
+    checks = run_stage_checks(adapter, stages=["train_step"], model_path=tiny_model).checks
+    assert checks and {c.status for c in checks} == {"unsupported"}, [
+        (c.invariant, c.status, c.message) for c in checks]
+    for c in checks:
+        assert f"TRL {adapter.version} lacks GRPOConfig delta=" in c.message, c.message
+        assert c.backend == f"trl-{adapter.version}"
