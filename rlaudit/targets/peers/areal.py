@@ -23,6 +23,8 @@ configuration AReaL's trainer would hold:
   log-probs = the old ones: no decoupled loss), vanilla (``c_clip`` = dual clip) and gspo
   (``importance_sampling_level="sequence"``); token-mean over the micro-batch (AReaL's engine
   weighs micro-batches by their token share; not called here: no ``denominators``).
+- ``train_step`` / ``replay``: AReaL's own FSDP engine and ``PPOActor`` update on CPU
+  (areal_train.py); ``supports`` names every setting it does not map.
 """
 
 from __future__ import annotations
