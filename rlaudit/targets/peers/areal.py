@@ -23,6 +23,8 @@ configuration AReaL's trainer would hold:
   log-probs = the old ones: no decoupled loss), vanilla (``c_clip`` = dual clip) and gspo
   (``importance_sampling_level="sequence"``); token-mean over the micro-batch (AReaL's engine
   weighs micro-batches by their token share; not called here: no ``denominators``).
+- ``train_step`` / ``replay``: AReaL's own FSDP engine and ``PPOActor`` update on CPU
+  (areal_train.py); ``supports`` names every setting it does not map.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers import areal_train
 from rlaudit.targets.peers.openrlhf_declared import KL_CLAMP_CASES
 
 PINNED = "1.0.4"
@@ -195,6 +198,9 @@ class ArealAdapter(TargetAdapter):
     kl_estimators = ("k1", "k2", "k3")
     loss_modes = tuple(LEVELS)
     loss_agg_modes = ("token-mean",)
+    #: train_step: AReaL's FSDP engine on its CPU platform, float32 (areal_train.py)
+    train_precision = "float32"
+    metric_names = tuple(ours for ours, _sign in areal_train.METRICS.values())
 
     def __init__(self):
         self.mods = import_areal()
@@ -270,3 +276,25 @@ class ArealAdapter(TargetAdapter):
         if "clip_ratio/avg" in logged:
             out["actor/pg_clipfrac"] = float(logged["clip_ratio/avg"])
         return loss, out
+
+    # ---- the whole training step --------------------------------------------------------------
+    def supports(self, config):
+        why = areal_train.unsupported(config)
+        return not why, "; ".join(why)
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        """AReaL's own update (areal_train), ``steps`` times on ``batch``, on CPU;
+        ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
+        if device != "cpu":
+            raise NotImplementedError("AReaL's train_step is mapped on CPU only")
+        why = areal_train.rows_unsupported(config, len(batch))
+        if why:
+            raise NotImplementedError(why)
+        (result,) = areal_train.train_steps(model_path, [(batch, config, steps)],
+                                            version=self.version)
+        return areal_train.output(result, batch)
+
+    def replay(self, request):
+        """Every supported variant of a scenario in one rank (areal_train.replay)."""
+        return areal_train.replay(self, request)

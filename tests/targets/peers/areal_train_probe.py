@@ -36,13 +36,15 @@ def main(version: str, model: str) -> dict:
     from areal.engine.fsdp_engine import FSDPEngine
     from areal.trainer.ppo.actor import PPOActor
 
-    # plain SGD without weight decay: the update is the loss gradient alone; no KL term
+    # plain SGD without weight decay: the update is the loss gradient alone; no KL term. One row
+    # per micro-batch (n_mbs = rows) and sdpa: AReaL packs a micro-batch's rows into one
+    # sequence without a mask, which only a varlen kernel keeps apart (areal_train.py)
     config = PPOActorConfig(
         experiment_name="rlaudit", trial_name="probe", path=model, dtype="float32",
-        backend="fsdp:d1", attn_impl="eager", mb_spec=MicroBatchSpec(n_mbs=1),
+        backend="fsdp:d1", attn_impl="sdpa", mb_spec=MicroBatchSpec(n_mbs=4),
         optimizer=OptimizerConfig(type="sgd", lr=0.05, weight_decay=0.0,
                                   lr_scheduler_type="constant"),
-        kl_ctl=0.0, recompute_logprob=True)
+        kl_ctl=0.0, recompute_logprob=True, ppo_n_minibatches=1)
     engine = FSDPEngine(config)
     engine.create_process_group()
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=4, train_batch_size=4))
