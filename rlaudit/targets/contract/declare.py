@@ -25,6 +25,7 @@ input error (exit 2) naming the attribute.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -351,3 +352,15 @@ def scaled(tol: Tolerance, want: torch.Tensor, mask: torch.Tensor | None = None)
     w = torch.where(torch.isfinite(w), w, 0.0)
     mag = max(1.0, float(w.max())) if w.numel() else 1.0
     return Tolerance(rtol=tol.rtol, atol=tol.atol * mag)
+
+
+def source_line(fn, needle: str = "") -> str:
+    """``#L<n>``: the line of ``fn``'s installed source holding ``needle`` (its first line
+    without one; "" when the source cannot be read), for a :class:`Difference`'s link to the
+    line at a peer's release tag."""
+    try:
+        lines, first = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return ""
+    offset = next((i for i, line in enumerate(lines) if needle in line), 0) if needle else 0
+    return f"#L{first + offset}"

@@ -5,22 +5,11 @@ the installed release's source it comes from.
 
 from __future__ import annotations
 
-import inspect
 
-from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.contract.declare import Difference, source_line
 
 #: OpenRLHF at a release tag
 BLOB = "https://github.com/OpenRLHF/OpenRLHF/blob/v{v}/openrlhf/"
-
-
-def line_of(fn, needle: str = "") -> str:
-    """``#L<n>``: the line of ``fn``'s source holding ``needle`` (its first line without one)."""
-    try:
-        lines, first = inspect.getsourcelines(fn)
-    except (OSError, TypeError):
-        return ""
-    offset = next((i for i, line in enumerate(lines) if needle in line), 0) if needle else 0
-    return f"#L{first + offset}"
 
 
 #: the problems the value clamp explains: k1 / k2 (and k1+'s value) comparisons, never k3's
@@ -38,7 +27,7 @@ def differences(version: str, orl) -> tuple:
         Difference(
             "grpo-std-eps-1e-9",
             reason="group_norm divides by (group std + 1e-9); verl and rlaudit by (std + 1e-6)",
-            link=adv_link + line_of(maker.compute_advantages_and_returns, "+ 1e-9"),
+            link=adv_link + source_line(maker.compute_advantages_and_returns, "+ 1e-9"),
             checks=("compute_advantages:*",), convention={"grpo_std_eps": 1e-9}),
         Difference(
             "whiten-biased-variance",
@@ -46,7 +35,7 @@ def differences(version: str, orl) -> tuple:
                    "action tokens with the biased variance (sum / N_tok) and rsqrt(max(var, "
                    "1e-8)); verl and rlaudit use the unbiased variance (N_tok - 1) and "
                    "rsqrt(var + 1e-8): every advantage differs by sqrt(N_tok / (N_tok - 1))",
-            link=adv_link + line_of(maker.compute_advantages_and_returns, "var = ((all_adv"),
+            link=adv_link + source_line(maker.compute_advantages_and_returns, "var = ((all_adv"),
             checks=("compute_advantages:parity",),
             cases=tuple(f"{label} advantages on" for label in (
                 "gae gamma=0.9 lam=0.95", "reinforce_plus_plus gamma=0.9",
@@ -57,7 +46,7 @@ def differences(version: str, orl) -> tuple:
                    "their recursions through those positions (discounted by gamma there); "
                    "rlaudit (verl) skips them. Only rows with masked positions inside the "
                    "response differ (tool output of an agent rollout)",
-            link=adv_link + line_of(maker.get_advantages_and_returns, "values = action_mask"),
+            link=adv_link + source_line(maker.get_advantages_and_returns, "values = action_mask"),
             checks=("compute_advantages:parity", "compute_advantages:masked-values"),
             cases=tuple(f"{label} {what} on ragged"
                         for label in ("gae gamma=0.9 lam=0.95", "reinforce_plus_plus gamma=0.9")
@@ -67,7 +56,8 @@ def differences(version: str, orl) -> tuple:
             reason="reinforce_baseline's returns are the group-centred rewards before the "
                    "batch whitening (only the critic reads returns; this estimator has none); "
                    "rlaudit (verl) returns the whitened advantages",
-            link=adv_link + line_of(maker.compute_advantages_and_returns, "experience.returns ="),
+            link=adv_link + source_line(maker.compute_advantages_and_returns,
+                                        "experience.returns ="),
             checks=("compute_advantages:parity",),
             cases=("reinforce_plus_plus_baseline returns on",)),
     ]
@@ -76,7 +66,7 @@ def differences(version: str, orl) -> tuple:
         reason="every KL estimator's per-token value is clamped to [-10, 10] (k1 and k2 too; "
                "rlaudit, like verl, clamps k3 only), with gradient 0 where the clamp acts; the "
                "fixed stage cases stay far inside it, the fuzzer's log-ratios up to 10 do not",
-        link=blob + "models/utils.py" + line_of(orl.utils.compute_approx_kl,
+        link=blob + "models/utils.py" + source_line(orl.utils.compute_approx_kl,
                                                 "clamp(min=-10, max=10)"),
         checks=("kl_penalty:parity", "apply_kl_in_reward:parity",
                 "apply_kl_in_reward:stored-kl-unaltered"),
@@ -89,12 +79,12 @@ def differences(version: str, orl) -> tuple:
                    "without a valid token; OpenRLHF's actor always passes global counts "
                    "(utils/loss_utils.py: get_loss_batch_info, iter_grad_accum_global_norm), "
                    "with which such a micro-batch gives 0",
-            link=blob + "models/loss.py" + line_of(loss.aggregate_loss, "masked_mean(loss"),
+            link=blob + "models/loss.py" + source_line(loss.aggregate_loss, "masked_mean(loss"),
             checks=("agg_loss:parity",), cases=("without a valid token",)))
     out.append(Difference(
         "gspo-sequence-gradient",
         reason="GSPO's sequence ratio exp(mean(log_probs - old_log_probs)) is differentiated "
                "through the mean (GSPO's sequence-level objective), not per token",
-        link=blob + "models/loss.py" + line_of(loss.PolicyLoss.forward, "ratio = (log_ratio"),
+        link=blob + "models/loss.py" + source_line(loss.PolicyLoss.forward, "ratio = (log_ratio"),
         checks=("policy_loss:*",), convention={"gspo_gradient": "sequence"}))
     return tuple(out)

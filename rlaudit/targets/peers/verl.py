@@ -27,12 +27,12 @@ trainer hands the function (float32, verl's mask dtypes, a ``DataProto`` with st
   actor's micro-batching: verl >= 0.8 the engine's ``prepare_micro_batches`` (dynamic batching
   through ``rearrange_micro_batches``, micro-batch counts all-reduced over the DP group), verl
   0.7 the legacy ``DataParallelPPOActor``'s (``prepare_dynamic_batch`` / ``DataProto.split``).
-  DP ranks run as threads over a stand-in for ``torch.distributed`` (``verl_threads.ThreadGroup``) so verl's
-  own collective logic runs unchanged in one process.
+  DP ranks run as threads over a stand-in for ``torch.distributed``
+  (``verl_threads.ThreadGroup``) so verl's own collective logic runs unchanged in one process.
 
 - ``train_step`` / ``replay``: verl's own training step on the release's engine (verl_step.py:
-  the FSDP engine worker on 0.9+, verl_train.py; the legacy Megatron actor on 0.7, verl_megatron.py),
-  every variant of a scenario in one group of ranks; ``supports`` says what it cannot map.
+  the FSDP engine worker on 0.9+, verl_train.py; the legacy Megatron actor on 0.7,
+  verl_megatron.py), every variant of a scenario in one group of ranks; ``supports`` says what it cannot map.
 
 docs/peers.md lists per version what is covered, the declared differences and what is n/a.
 """
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from rlaudit.algo.agg import Denominators
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
-from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.contract.declare import Difference, source_line
 from rlaudit.targets.peers import verl_compat
 from rlaudit.targets.peers.registry import import_advice
 from rlaudit.targets.peers import verl_step, verl_train
@@ -66,16 +65,6 @@ DTYPE = torch.float32
 _BLOB = "https://github.com/verl-project/verl/blob/v{v}/"
 
 
-def _line(fn, needle: str = "") -> str:
-    """``#L<n>``: the line of ``fn``'s source holding ``needle`` (its first line without one)."""
-    try:
-        lines, first = inspect.getsourcelines(fn)
-    except (OSError, TypeError):
-        return ""
-    offset = next((i for i, line in enumerate(lines) if needle in line), 0) if needle else 0
-    return f"#L{first + offset}"
-
-
 def _differences(version: str, core) -> tuple:
     """The documented, deliberate ways verl ``version`` differs from rlaudit's reference
     (docs/peers.md, "verl"), linked to the lines of the installed ``core_algos``."""
@@ -87,14 +76,14 @@ def _differences(version: str, core) -> tuple:
                    "token_level_rewards.sum(dim=-1) over every position, masked ones included: "
                    "verl's reward managers write the score on the last response token only "
                    "(the mask was dropped on purpose in verl PR #152)",
-            link=path + _line(core.compute_grpo_outcome_advantage, "token_level_rewards.sum"),
+            link=path + source_line(core.compute_grpo_outcome_advantage, "token_level_rewards.sum"),
             checks=("compute_advantages:*",), convention={"outcome_score": "unmasked-sum"}),
         Difference(
             "agg-loss-nan-on-empty",
             reason="agg_loss without global counts divides by the batch's own token / sequence "
                    "count, 0/0 = NaN when no token is valid; verl's trainer always passes global "
                    "counts (verl/workers/utils/losses.py), with which such a micro-batch gives 0",
-            link=path + _line(core.agg_loss),
+            link=path + source_line(core.agg_loss),
             checks=("agg_loss:parity",), cases=("without a valid token",)),
     )
 
@@ -370,7 +359,7 @@ class VerlVectorizedAdapter(VerlAdapter):
                    "(`* (c > 1)`), where verl's rloo and rlaudit use baseline 0 (advantage "
                    "= score)",
             link=_BLOB.format(v=self.version.split("+")[0])
-            + "verl/trainer/ppo/core_algos.py" + _line(rloo, "(c > 1)"),
+            + "verl/trainer/ppo/core_algos.py" + source_line(rloo, "(c > 1)"),
             checks=("compute_advantages:*",),
             cases=tuple(f"rloo {what} on {case}" for what in ("advantages", "returns")
                         for case in ("ragged", "one-row"))),)

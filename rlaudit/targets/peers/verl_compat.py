@@ -30,14 +30,13 @@ from typing import Any, Callable
 
 import dataclasses
 import importlib
-import inspect
 
 import torch
 
 from rlaudit.algo.agg import Denominators
 from rlaudit.targets.contract import UnsupportedFeature
 from rlaudit.targets.contract.adapter import accepts
-from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.contract.declare import Difference, source_line
 
 #: verl computes its losses in float32
 DTYPE = torch.float32
@@ -45,15 +44,6 @@ DTYPE = torch.float32
 GLOBAL_VALUE_KEYWORD = "batch_num_tokens"
 #: verl's core_algos at a release tag
 CORE_AT = "https://github.com/verl-project/verl/blob/v{v}/verl/trainer/ppo/core_algos.py"
-
-
-def source_line(fn, needle: str) -> str:
-    """``#L<n>``: the line of ``fn``'s source holding ``needle`` (its first line if none)."""
-    try:
-        lines, first = inspect.getsourcelines(fn)
-    except (OSError, TypeError):
-        return ""
-    return f"#L{first + next((i for i, ln in enumerate(lines) if needle in ln), 0)}"
 
 
 def differences(version: str, core) -> tuple[Difference, ...]:
@@ -136,5 +126,5 @@ def value_loss(core, *, vpreds, values, returns, response_mask, cliprange_value,
     return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac)}
 
 
-__all__ = ["differences", "global_info", "require_global_counts", "require_keyword", "require_policy_loss",
-           "value_loss"]
+__all__ = ["differences", "global_info", "require_global_counts", "require_keyword",
+           "require_policy_loss", "value_loss"]
