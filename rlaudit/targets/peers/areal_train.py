@@ -30,8 +30,7 @@ from rlaudit.backends.launch import launch
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
-from rlaudit.targets.contract.guard import batch_state, unchanged_since
-from rlaudit.targets.run.target_backend import to_variant_run
+from rlaudit.targets.run.target_backend import replayed_runs
 
 #: rlaudit estimator -> AReaL's reward_norm as NormConfig kwargs (group of ``rollout.n`` rows;
 #: eps from ``algorithm.grpo_std_eps``); no batch advantage normalisation, no critic
@@ -266,13 +265,10 @@ def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
     variants = [v for v in request.variants if not rows_unsupported(v.config, len(v.batch))]
     if not variants or request.device != "cpu":     # mapped on CPU only
         return {}
-    before = [batch_state(v.batch) for v in variants]
-    results = train_steps(request.model, [(v.batch, v.config, v.steps) for v in variants],
-                          version=adapter.version)
-    runs = {}
-    for v, result, state in zip(variants, results, before):
-        run = to_variant_run(v, output(result, v.batch), source=f"{adapter.name}.train_step",
-                             model_path=request.model, dtype=request.dtype)
-        run.inputs_unchanged = unchanged_since(v.batch, state)
-        runs[v.name] = run
-    return runs
+
+    def train_all(vs):
+        results = train_steps(request.model, [(v.batch, v.config, v.steps) for v in vs],
+                              version=adapter.version)
+        return [output(r, v.batch) for r, v in zip(results, vs)]
+
+    return replayed_runs(request, variants, train_all, source=f"{adapter.name}.train_step")

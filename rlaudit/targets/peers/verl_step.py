@@ -21,11 +21,10 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.metrics import CATALOGUE
 from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.contract.declare import Difference
-from rlaudit.targets.contract.guard import batch_state, unchanged_since
 from rlaudit.targets.peers.verl_layout import to_batch_width
 from rlaudit.targets.peers import verl_megatron
 from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
-from rlaudit.targets.run.target_backend import to_variant_run
+from rlaudit.targets.run.target_backend import replayed_runs
 
 #: verl's metric -> rlaudit's where the names differ. ``actor/entropy_loss`` is the entropy the
 #: update computes (calculate_entropy or entropy_coeff != 0), aggregated like the loss with the
@@ -154,16 +153,13 @@ def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
     variants = [v for v in request.variants if not rows_unsupported(v.config, len(v.batch), dp)]
     if not variants:       # every variant's rows are ones verl refuses: nothing ran (n/a)
         return {}
-    before = [batch_state(v.batch) for v in variants]
-    results = run_jobs(adapter, request.model, [(v.batch, v.config, v.steps) for v in variants],
-                       request.device)
-    runs = {}
-    for v, result, state in zip(variants, results, before):
-        run = to_variant_run(v, output(result, v.batch), source=f"{adapter.name}.train_step",
-                             model_path=request.model, dtype=request.dtype)
-        run.inputs_unchanged = unchanged_since(v.batch, state)
-        runs[v.name] = run
-    return runs
+
+    def train_all(vs):
+        results = run_jobs(adapter, request.model, [(v.batch, v.config, v.steps) for v in vs],
+                           request.device)
+        return [output(r, v.batch) for r, v in zip(results, vs)]
+
+    return replayed_runs(request, variants, train_all, source=f"{adapter.name}.train_step")
 
 
 def run_jobs(adapter, model_path, jobs: list, device: str) -> list[dict]:

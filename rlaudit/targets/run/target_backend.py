@@ -219,6 +219,23 @@ class TargetBackend:
         return run
 
 
+def replayed_runs(request: ReplayRequest, variants: list[Variant],
+                  train_all: Callable[[list[Variant]], list[TrainStepOutput]], *,
+                  source: str) -> dict[str, VariantRun]:
+    """An adapter's ``replay``: ``train_all(variants)`` runs every variant in one go (one group
+    of ranks, the trainer imported once) and returns one TrainStepOutput each, laid out as
+    :func:`to_variant_run` lays out ``train_step``'s, with ``inputs_unchanged`` from the batches
+    as they were before the run."""
+    before = [batch_state(v.batch) for v in variants]
+    outs = train_all(variants)
+    runs = {}
+    for v, out, state in zip(variants, outs, before, strict=True):
+        runs[v.name] = to_variant_run(v, out, source=source, model_path=request.model,
+                                      dtype=request.dtype)
+        runs[v.name].inputs_unchanged = unchanged_since(v.batch, state)
+    return runs
+
+
 # ---- what each invariant reads ---------------------------------------------------------------
 
 @dataclass(frozen=True)
