@@ -114,7 +114,46 @@ _SPECS: list[MetricSpec] = [
                golden=False),
 ]
 
-CATALOGUE: dict[str, MetricSpec] = {s.name: s for s in _SPECS}
+#: families of names: one spec for every name of the pattern, ``{}`` standing for an identifier
+#: (a reward function's name: rlaudit/data/rewards.py)
+_FAMILIES: list[MetricSpec] = [
+    MetricSpec("critic/score/{}/mean", "mean score of reward function {} over the rows it "
+               "scored (TRL's rewards/<func>/mean; rollouts with several reward functions)",
+               "batch"),
+]
+
+
+def _family(name: str) -> MetricSpec | None:
+    for fam in _FAMILIES:
+        head, tail = fam.name.split("{}")
+        if (len(name) > len(head) + len(tail) and name.startswith(head) and name.endswith(tail)
+                and name[len(head):len(name) - len(tail)].isidentifier()):
+            return fam
+    return None
+
+
+class _Catalogue(dict):
+    """name -> MetricSpec: the listed names, and any name of a family pattern (its family's
+    spec). Iterating gives the listed names only."""
+
+    def __missing__(self, name):
+        fam = _family(name) if isinstance(name, str) else None
+        if fam is None:
+            raise KeyError(name)
+        return fam
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or (isinstance(name, str)
+                                                 and _family(name) is not None)
+
+
+CATALOGUE: dict[str, MetricSpec] = _Catalogue({s.name: s for s in _SPECS})
 
 
 def spec(name: str) -> MetricSpec:
@@ -132,7 +171,7 @@ def counted(name: str) -> str:
 
 def check_known(names: Iterable[str]) -> None:
     """Raise if any metric name is not catalogued (a typo in a backend is a bug, not a metric)."""
-    unknown = sorted(set(names) - set(CATALOGUE))
+    unknown = sorted(n for n in set(names) if n not in CATALOGUE)
     if unknown:
         raise KeyError(f"metrics not in the catalogue (rlaudit/metrics.py): {unknown}")
 

@@ -107,3 +107,42 @@ def kl_in_reward_metrics(kl: torch.Tensor, mask: torch.Tensor, *,
     m = bool_mask(mask, kl.shape)
     mean_kl = float(masked_mean(torch.where(m, kl, 0.0), m))
     return {"rollout/kl": mean_kl, "actor/reward_kl_penalty": float(kl_coef) * mean_kl}
+
+
+def combine_reward_scores(per_function: torch.Tensor, weights, applied: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """The combined score of several reward functions: each row's weighted sum over the functions
+    that scored it (TRL's ``sum_then_normalize``: ``(rewards_per_func * reward_weights)
+    .nansum(dim=1)``, a function that returned None being NaN there).
+
+    Args:
+        per_function: [B, F] float, function f's score of row i (read only where ``applied``).
+        weights: F floats, one per function.
+        applied: [B, F] bool, True where function f scored row i (None: everywhere).
+
+    Returns:
+        [B] float64 (new): ``sum_f weights[f] * per_function[i, f]`` over applied f; a row no
+        function scored sums to 0 (callers refuse such rows: TRL zeroes their advantage).
+    """
+    _check_float("per_function", per_function)
+    if per_function.dim() != 2:
+        raise InputError(f"expected shape [B, F], got {tuple(per_function.shape)}",
+                         key="per_function")
+    w = torch.as_tensor(list(weights), dtype=torch.float64)
+    if w.shape != (per_function.shape[1],):
+        raise InputError(f"expected {per_function.shape[1]} weights (one per function), got "
+                         f"{w.numel()}", key="weights")
+    m = torch.ones_like(per_function, dtype=torch.bool) if applied is None else applied.bool()
+    return torch.where(m, per_function.double() * w, 0.0).sum(1)
+
+
+def reward_function_means(per_function: torch.Tensor, applied: torch.Tensor | None = None
+                          ) -> list[float]:
+    """Per function, the mean of its scores over the rows it scored (TRL's logged
+    ``rewards/<func>/mean``: ``nanmean`` of its column); denominator: that function's count of
+    scored rows (NaN for a function that scored none)."""
+    m = (torch.ones_like(per_function, dtype=torch.bool) if applied is None
+         else applied.bool())
+    total = torch.where(m, per_function.double(), 0.0).sum(0)
+    count = m.sum(0).double()
+    return [float(t / c) if c else float("nan") for t, c in zip(total, count)]

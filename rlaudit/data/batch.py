@@ -26,6 +26,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from rlaudit.data.rewards import check_combined_scores
 from rlaudit.errors import InputError
 
 
@@ -67,6 +68,9 @@ KNOWN_FIELDS: dict[str, FieldSpec] = {
     "teacher_topk_ids": FieldSpec(Kind.TOKEN, "int", "[B, R, K] teacher's top-k token ids"),
     "teacher_topk_log_probs": FieldSpec(Kind.TOKEN, "float", "[B, R, K] teacher's top-k log-probs"),
     "teacher_log_probs": FieldSpec(Kind.TOKEN, "float", "teacher log-prob of the sampled token"),
+    "reward_scores": FieldSpec(Kind.SEQ, "float", "[B, F] each reward function's score "
+                               "(rlaudit/data/rewards.py); scores is then their combination"),
+    "reward_mask": FieldSpec(Kind.SEQ, "bool", "[B, F] True where reward function f scored row i"),
 }
 
 REQUIRED_FIELDS = ("prompt_ids", "prompt_lengths", "response_ids", "response_lengths",
@@ -290,6 +294,7 @@ class RolloutBatch:
             row = int((self.mask & beyond).any(1).nonzero()[0])
             raise InputError(f"response_mask is True past response_lengths (row {row})",
                              source=source, key="response_mask")
+        check_combined_scores(self.tensors, self.meta, source=source)
 
 
 def pad_dim1(t: torch.Tensor, width: int, value: float | int | bool = 0) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 
 import rlaudit
 from rlaudit.data.batch import Kind, RolloutBatch
+from rlaudit.data.rewards import with_combined_scores
 from rlaudit.errors import InputError
 from rlaudit.stamps import file_stamps
 
@@ -214,8 +215,10 @@ def load_rollout(path: str | os.PathLike) -> RolloutBatch:
 
     Checks, in order: both files exist and parse; the fields, dtypes and shapes in the file match
     the sidecar; each field's sha256 and the total sha256; each kind is seq/prompt/token; then
-    :meth:`RolloutBatch.from_tensors` (required fields, shapes, dtypes, masks, finite values);
-    at least one row.
+    several reward functions (``reward_scores``, ``meta.reward_functions``, ``reward_weights``:
+    rlaudit/data/rewards.py) consistent, ``scores`` computed from them when the file leaves it
+    out; :meth:`RolloutBatch.from_tensors` (required fields, shapes, dtypes, masks, finite
+    values); at least one row.
     Every failure is an :class:`InputError` naming the file (``source``) and field (``key``).
     """
     path = Path(path)
@@ -251,6 +254,8 @@ def load_rollout(path: str | os.PathLike) -> RolloutBatch:
             raise InputError(f"unknown field kind {fields[name]['kind']!r}; expected one of "
                              f"{', '.join(k.value for k in Kind)}", source=side,
                              key=name) from None
+    # several reward functions: ``scores`` is their combination (rlaudit/data/rewards.py)
+    tensors = with_combined_scores(tensors, doc["meta"], source=src)
     batch = RolloutBatch.from_tensors(tensors, kinds=kinds, meta=doc["meta"], source=src)
     require_rows(batch, source=src)
     return batch

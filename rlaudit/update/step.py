@@ -13,6 +13,7 @@ passes are split over data-parallel ranks and gathered.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -21,10 +22,11 @@ import torch
 from rlaudit.algo.advantages import compute_advantages
 from rlaudit.algo.agg import masked_mean
 from rlaudit.algo.dapo import RAW_SCORE_METRICS, filter_groups, overlong_penalty
-from rlaudit.algo.reward import apply_kl_in_reward, place_scores
+from rlaudit.algo.reward import apply_kl_in_reward, place_scores, reward_function_means
 from rlaudit.algo.rollout_corr import is_metrics, mismatch_metrics, rollout_is_weights
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
+from rlaudit.data.rewards import MASK, SCORES, reward_functions
 from rlaudit.errors import InputError
 from rlaudit.update.actor import compute_log_probs, update_actor
 from rlaudit.update.context import ParallelContext
@@ -178,7 +180,19 @@ def data_metrics(batch: RolloutBatch, cfg: Config) -> dict[str, float]:
         m["critic/values/mean"] = float(masked_mean(batch["values"], mask))
     if "kl" in batch:
         m["rollout/kl"] = float(masked_mean(batch["kl"], mask))
+    m.update(reward_function_metrics(batch))
     return m
+
+
+def reward_function_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """With several reward functions (rlaudit/data/rewards.py): each one's mean score over the
+    rows it scored, as TRL logs ``rewards/<func>/mean`` (a function that scored none of the
+    batch's rows is not logged: its mean has no denominator)."""
+    funcs = reward_functions(batch.tensors, batch.meta)
+    if funcs is None:
+        return {}
+    means = reward_function_means(batch[SCORES], batch.get(MASK))
+    return {funcs.metric(f): v for f, v in enumerate(means) if math.isfinite(v)}
 
 
 def train_step(roles: Roles, batch: RolloutBatch, cfg: Config) -> StepResult:

@@ -5,7 +5,7 @@
 """
 
 from rlaudit.scenarios.invariants import (health, identities, metamorphic, parity,  # noqa: F401
-                                           reward, rollout_corr, seeds)
+                                           reward, reward_logging, rollout_corr, seeds)
 from rlaudit.scenarios.invariants.base import (INVARIANTS, CheckContext, Invariant,
                                                catalogue_section)
 

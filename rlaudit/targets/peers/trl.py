@@ -10,7 +10,10 @@ gradient accumulation, clipping and optimizer step, and logs its metrics. Genera
 through TRL's own seam for custom rollouts, ``rollout_func(prompts, trainer)``: it returns the
 fixed rollout's prompt ids, completion ids, sampling log-probs and ``env_mask`` (TRL's mask for
 tokens that are context but not trained on: rlaudit's masked holes). The reward function returns
-the batch's scores. Nothing of TRL's loss, advantage or metric code is re-implemented here.
+the batch's scores; a rollout scored by several reward functions (rlaudit/data/rewards.py) gives
+TRL one reward function per column, each returning that function's fixed scores (None where it
+did not score the row), and their weights as ``reward_weights``: TRL combines and logs them
+itself. Nothing of TRL's loss, advantage, reward or metric code is re-implemented here.
 
 Two things the adapter sets that are not TRL config values (both data order, not math):
 
@@ -40,6 +43,7 @@ from rlaudit.targets.contract.adapter import TargetAdapter, TrainStepOutput
 from rlaudit.targets.peers.trl_declared import (canonical_kl, declared_differences,
                                                 entropy_bonus_link, kl_link)
 from rlaudit.targets.peers.trl_release import release_config_kwargs, train_precision_of
+from rlaudit.targets.peers.trl_rewards import reward_funcs, reward_metric_map
 
 #: rlaudit loss_agg_mode -> TRL loss_type (how TRL aggregates per-token losses)
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
@@ -86,8 +90,10 @@ def metric_map(config) -> dict[str, str]:
     return m
 
 
-def trl_config_kwargs(config, rows: int, response_width: int, output_dir: str, steps: int):
-    """rlaudit Config -> GRPOConfig keyword arguments (docs/peers.md, "config mapping")."""
+def trl_config_kwargs(config, rows: int, response_width: int, output_dir: str, steps: int,
+                      reward_weights=(1.0,)):
+    """rlaudit Config -> GRPOConfig keyword arguments (docs/peers.md, "config mapping");
+    ``reward_weights``: one per reward function (:meth:`FixedRollout.reward_funcs`)."""
     a, alg, r = config.actor, config.algorithm, config.rollout
     mini = min(a.ppo_mini_batch_size * r.n, rows)
     micro = a.ppo_micro_batch_size_per_gpu
@@ -120,6 +126,7 @@ def trl_config_kwargs(config, rows: int, response_width: int, output_dir: str, s
         scale_rewards="group" if (alg.adv_estimator == "grpo" and alg.norm_adv_by_std_in_grpo)
         else "none",
         entropy_coef=a.entropy_coeff,
+        reward_weights=[float(w) for w in reward_weights],
         learning_rate=a.optim.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=a.optim.weight_decay,
         max_grad_norm=a.grad_clip if a.grad_clip > 0 else 0.0,
@@ -197,6 +204,10 @@ class FixedRollout:
     def reward(self, prompts, completions, row, **kwargs):
         scores = self.batch["scores"]
         return [float(scores[i]) for i in row]
+
+    def reward_funcs(self) -> tuple[list, list[float]]:
+        """(TRL's reward functions, their weights): :func:`trl_rewards.reward_funcs`."""
+        return reward_funcs(self.batch, self.reward)
 
     def to_batch_order(self) -> torch.Tensor:
         """perm such that generation_row[perm[j]] is batch row j."""
@@ -319,7 +330,9 @@ class TRLAdapter(TargetAdapter):
         if rows % mini:
             raise NotImplementedError(f"{rows} rows do not cut into mini-batches of {mini}")
         with tempfile.TemporaryDirectory(prefix="rlaudit-trl-") as tmp:
-            kwargs = trl_config_kwargs(config, rows, batch.response_width, tmp, steps)
+            funcs, weights = rollout.reward_funcs()
+            kwargs = trl_config_kwargs(config, rows, batch.response_width, tmp, steps,
+                                       reward_weights=weights)
             config_class = self.config_class or trl.GRPOConfig
             args = config_class(**release_config_kwargs(config_class, kwargs, self.version))
             dataset = datasets.Dataset.from_dict({"prompt": rollout.prompts()})
@@ -346,7 +359,7 @@ class TRLAdapter(TargetAdapter):
                     _patched(gt, "shuffle_sequence_dict", in_batch_order), \
                     warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trainer = cls(model=policy, reward_funcs=[rollout.reward], args=args,
+                trainer = cls(model=policy, reward_funcs=funcs, args=args,
                               train_dataset=dataset, processing_class=tokenizer,
                               rollout_func=rollout, callbacks=[_Params()])
                 trainer.train()
@@ -380,7 +393,7 @@ class TRLAdapter(TargetAdapter):
         if len(history) != steps * per_step:
             raise RuntimeError(f"TRL logged {len(history)} optimizer steps, expected "
                                f"{steps * per_step}")
-        names = metric_map(config)
+        names = {**metric_map(config), **reward_metric_map(batch)}
         out = TrainStepOutput(metrics=[], params=captured["params"])
         for s in range(steps):
             logs = history[s * per_step:(s + 1) * per_step]
