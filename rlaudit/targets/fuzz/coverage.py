@@ -14,8 +14,9 @@ takes a value other than in the target's built-in scenario:
   on the default example.
 
 The knob values are computed by the adapter's own mapping (``knobs_of(config, rows, width,
-steps) -> {knob: value}``) on each config with the geometry of the batch it runs on, so the
-table follows the mapping as it is, not as it was written down.
+steps, batch=batch) -> {knob: value}``) on each config with the geometry of the batch it runs on
+(and the batch, for knobs the rollout sets: TRL's ``reward_weights``), so the table follows the
+mapping as it is, not as it was written down.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from rlaudit.targets.fuzz.examples import accepted, config_of, knobs
 from rlaudit.targets.inputs import builtin
 from rlaudit.update.step import select_groups
 
-#: (config, rows, response width, steps) -> {knob: value}
+#: (config, rows, response width, steps, batch=batch) -> {knob: value}
 KnobsOf = Callable[..., dict]
 #: the baseline value of a knob the built-in scenario's mapping does not set
 NOT_SET = "<not set>"
@@ -54,21 +55,22 @@ class Coverage:
 
 
 def _configs(scn, batch):
-    """(label, config, rows, width, steps) of a scenario and of every variant its invariants
-    ask for."""
-    yield scn.name, scn.config, len(batch), batch.response_width, scn.steps
+    """(label, config, rows, width, steps, batch) of a scenario and of every variant its
+    invariants ask for."""
+    yield scn.name, scn.config, len(batch), batch.response_width, scn.steps, batch
     seen = set()
     for inv in scn.invariants:
         for v in INVARIANTS.get(inv).variants(scn, batch):
             if v.name not in seen:
                 seen.add(v.name)
                 yield (f"{scn.name}:{v.name}", v.config, len(v.batch), v.batch.response_width,
-                       v.steps)
+                       v.steps, v.batch)
 
 
 def exercised(adapter, scenarios_dir: str | Path):
     """Every config a release audit and the run-level fuzzer give ``adapter``'s train_step (see
-    the module docstring), as (label, config, rows, width, steps); the built-in scenario first."""
+    the module docstring), as (label, config, rows, width, steps, batch); the built-in scenario
+    first."""
     model = builtin.tiny_model_path(scenarios_dir)
     batch = builtin.rollout(model)
     yield from _configs(builtin.scenario(model), batch)
@@ -85,17 +87,17 @@ def exercised(adapter, scenarios_dir: str | Path):
                 config = load_config(cfg, source="rlaudit fuzz")
             except InputError:
                 continue
-            yield f"fuzz: {key}={value}", config, len(batch), batch.response_width, steps
+            yield f"fuzz: {key}={value}", config, len(batch), batch.response_width, steps, batch
 
 
 def coverage(adapter, knobs_of: KnobsOf, scenarios_dir: str | Path) -> Coverage:
     """Where each knob of ``adapter`` takes a value other than in the built-in scenario."""
     out = None
-    for label, config, rows, width, steps in exercised(adapter, scenarios_dir):
+    for label, config, rows, width, steps, batch in exercised(adapter, scenarios_dir):
         if not supports(adapter, config)[0]:
             continue
         try:
-            values = knobs_of(config, rows, width, steps)
+            values = knobs_of(config, rows, width, steps, batch=batch)
         except (InputError, NotImplementedError, ValueError, ZeroDivisionError):
             continue            # a geometry the adapter cannot lay out: not run there either
         if out is None:

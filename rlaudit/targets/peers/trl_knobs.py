@@ -11,6 +11,7 @@ nothing varies.
 from __future__ import annotations
 
 from rlaudit.targets.peers.trl import trl_config_kwargs
+from rlaudit.targets.peers.trl_rewards import reward_funcs
 
 #: the keyword that names a scratch directory (not a knob)
 OUTPUT_DIR = "output_dir"
@@ -79,9 +80,11 @@ NOT_SET = {
     "pad_to_multiple_of": "n/a: 'auto' pads only on Neuron; padding columns are varied by "
                           "padding-appended",
     # rewards
-    "reward_weights": "n/a: one reward function (the rollout's score); several weighted reward "
-                      "functions cannot be expressed in the rollout format yet",
-    "multi_objective_aggregation": "n/a: one reward function (see reward_weights)",
+    "multi_objective_aggregation": "n/a: 'sum_then_normalize', TRL's default, is the combination "
+                                   "rlaudit's reference computes (rlaudit/data/rewards.py); "
+                                   "'normalize_then_sum' normalises each function within its "
+                                   "group first and whitens the sum over the batch: no rlaudit "
+                                   "counterpart",
     # the reference policy
     "sync_ref_model": "n/a: TR-DPO reference syncing; rlaudit's reference policy is fixed",
     "ref_model_mixup_alpha": "n/a: sync_ref_model only",
@@ -120,11 +123,13 @@ def not_varied() -> dict[str, str]:
     return {**{k: f"fixed: {v}" for k, v in FIXED.items()}, **UNVARIED}
 
 
-def trl_knobs_of(config, rows: int, width: int, steps: int) -> dict:
+def trl_knobs_of(config, rows: int, width: int, steps: int, batch=None) -> dict:
     """The GRPOConfig keywords ``trl_config_kwargs`` gives ``config`` on a batch of ``rows`` rows
-    and response width ``width`` (the scratch directory left out); values made comparable
-    (dicts and lists as text)."""
-    kw = trl_config_kwargs(config, rows, width, "<output>", steps)
+    and response width ``width`` (the scratch directory left out), with the reward weights of
+    ``batch``'s reward functions (one function, weight 1, without a batch); values made
+    comparable (dicts and lists as text)."""
+    weights = (1.0,) if batch is None else reward_funcs(batch, None)[1]
+    kw = trl_config_kwargs(config, rows, width, "<output>", steps, reward_weights=weights)
     kw.pop(OUTPUT_DIR)
     return {k: (repr(v) if isinstance(v, (dict, list)) else v) for k, v in kw.items()}
 

@@ -70,16 +70,21 @@ def test_every_mapped_key_is_varied_somewhere(cov):
     assert {s.split(":")[0] for s in cov.varied_by["num_generations"]} == {"trl_group_of_three"}
     assert "trl_group_of_three" in cov.varied_by["entropy_coef"]
     assert "trl_two_minibatches" in cov.varied_by["optim"]
+    # two reward functions weighted 1.0 and 0.5 (the rollout short-ref-rewards) against one of
+    # weight 1 everywhere else
+    assert cov.baseline["reward_weights"] == "[1.0]"
+    assert {s.split(":")[0] for s in cov.varied_by["reward_weights"]} == {"trl_reward_weights"}
 
 
 def test_a_key_varied_nowhere_fails(cov):
-    """The check above can fail: with the two scenarios' contributions taken out, the keys
+    """The check above can fail: with the three scenarios' contributions taken out, the keys
     only they vary are reported."""
-    drop = {"trl_group_of_three", "trl_two_minibatches"}
+    drop = {"trl_group_of_three", "trl_two_minibatches", "trl_reward_weights"}
     cut = dataclasses.replace(cov, varied_by={
         k: [s for s in v if s.split(":")[0] not in drop] for k, v in cov.varied_by.items()})
     assert set(cut.unvaried(set(trl_knobs.not_varied()))) >= {"num_generations",
-                                                                 "entropy_coef", "optim"}
+                                                                 "entropy_coef", "optim",
+                                                                 "reward_weights"}
 
 
 def test_docs_table_is_the_mapping(cov):
