@@ -35,7 +35,14 @@ TRIGGERS = {
     "filter-metric": lambda raw: (_on(raw, "reward", "overlong_buffer", "enable")
                                   and _on(raw, "algorithm", "filter_groups", "enable")),
     "kl-loss-direction": lambda raw: raw.get("ref_model") is not None,
+    "reward-logging": lambda raw: bool(_sidecar_meta(raw).get("reward_functions")),
 }
+
+
+def _sidecar_meta(raw: dict) -> dict:
+    """The ``meta`` of the scenario's rollout sidecar (``x.safetensors`` -> ``x.json``)."""
+    side = (SCENARIOS[0].parent / raw["rollout"]).with_suffix(".json")
+    return yaml.safe_load(side.read_text())["meta"]
 
 
 def _scores_on_last_token(batch) -> torch.Tensor:
@@ -122,4 +129,5 @@ def test_reward_shaping_names_only_what_was_on():
 def test_the_reason_names_the_switch(name):
     scn = load_scenario(next(p for p in SCENARIOS if p.stem == "adv_grpo_std"))
     why = INVARIANTS.get(name).applies(scn)
-    assert why and ("enable" in why or "reference policy" in why), why
+    assert why and ("enable" in why or "reference policy" in why
+                    or "meta.reward_functions" in why), why
