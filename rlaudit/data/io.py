@@ -10,6 +10,12 @@ A rollout ``run1.safetensors`` comes with ``run1.json``::
      "meta": {"engine": "vllm", "sampling": {...}, "model": "<snapshot id>", ...},
      "written_by": {"rlaudit": "0.1.0", "torch": "2.13.0", "safetensors": "0.8.0"}}
 
+A rollout scored by several reward functions (TRL's ``reward_funcs`` with ``reward_weights``)
+adds the fields ``reward_scores`` ``[B, F]`` and optionally ``reward_mask`` ``[B, F]`` and, in
+``meta``, ``reward_functions`` (F names) and ``reward_weights`` (F numbers, default 1 each);
+``scores`` is then their combination (rlaudit/data/rewards.py), computed at load when the file
+leaves it out.
+
 The hash is defined on the tensors, not on the file bytes, so it does not depend on safetensors'
 header layout: for each field in sorted name order, a header line
 ``json.dumps([name, dtype, shape, nbytes]) + "\\n"`` (dtype without ``torch.``) followed by the
