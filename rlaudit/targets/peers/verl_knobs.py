@@ -55,11 +55,6 @@ UNVARIED = {
     f"{ACTOR}clip_ratio": "unread: the adapter always sets clip_ratio_low and clip_ratio_high "
                           "(varied), which verl reads instead of clip_ratio when they are set",
     "algorithm.lam": "unread: only GAE reads lam, and the adapter declines GAE (no critic)",
-    "algorithm.gamma": "read by REINFORCE++ only in this step (GAE declined): verl's own "
-                       "advantage function is checked with gamma 0.9 by the stage check "
-                       "compute_advantages:parity (targets/stages/advantage.py); no shipped "
-                       "scenario sets gamma < 1 with REINFORCE++ (a gap at run level: the "
-                       "adapter passing gamma through is not exercised)",
 }
 
 _SCHEDULE = ("n/a: learning-rate schedule; left at verl's constant rate without warmup, which "

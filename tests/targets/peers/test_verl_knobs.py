@@ -90,15 +90,19 @@ def test_every_mapped_key_is_varied_somewhere(cov):
     assert {"policy_gspo", "policy_cispo"} <= {s.split(":")[0] for s in
                                                cov.varied_by[f"{a}policy_loss.loss_mode"]}
     assert "adv_rloo" in cov.varied_by["algorithm.adv_estimator"]
+    # gamma 0.9 with REINFORCE++, the one scenario that discounts
+    assert {s.split(":")[0] for s in cov.varied_by["algorithm.gamma"]} == {
+        "adv_reinforce_discount"}
 
 
 def test_a_key_varied_nowhere_fails(cov):
-    """The check above can fail: with the one scenario that varies rollout.n taken out, it is
-    reported."""
+    """The check above can fail: with the one scenario that varies rollout.n and the one that
+    varies gamma taken out, both are reported."""
+    drop = {"trl_group_of_three", "adv_reinforce_discount"}
     cut = dataclasses.replace(cov, varied_by={
-        k: [s for s in v if s.split(":")[0] != "trl_group_of_three"]
-        for k, v in cov.varied_by.items()})
-    assert "actor_rollout_ref.rollout.n" in cut.unvaried(set(verl_knobs.not_varied()))
+        k: [s for s in v if s.split(":")[0] not in drop] for k, v in cov.varied_by.items()})
+    assert {"actor_rollout_ref.rollout.n", "algorithm.gamma"} <= set(
+        cut.unvaried(set(verl_knobs.not_varied())))
 
 
 def test_docs_table_is_the_mapping(adapter):
