@@ -51,8 +51,11 @@ MAX_IS_WEIGHT = 3.0
 _LOG_PROB_FIELDS = ("rollout_log_probs", "old_log_probs", "ref_log_probs", "teacher_log_probs",
                     "teacher_topk_log_probs")
 _TOPK_FIELDS = ("teacher_topk_ids", "teacher_topk_log_probs")  # [B, R, K]
+#: fields that come with sidecar meta (several reward functions: rlaudit/data/rewards.py), not
+#: drawn here
+_WITH_META = ("reward_scores", "reward_mask")
 #: every optional field :func:`rollout_batches` can generate.
-SUPPORTED_FIELDS = tuple(sorted(set(KNOWN_FIELDS) - set(REQUIRED_FIELDS)))
+SUPPORTED_FIELDS = tuple(sorted(set(KNOWN_FIELDS) - set(REQUIRED_FIELDS) - set(_WITH_META)))
 DEFAULT_FIELDS = ("scores", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values",
                   "advantages", "token_level_rewards")
 _INT64 = (-2**63, 2**63 - 1)
