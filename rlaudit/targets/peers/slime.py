@@ -171,7 +171,7 @@ class SlimeAdapter(TargetAdapter):
         ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
         if device != "cpu":
             raise NotImplementedError("slime's train_step is mapped on CPU only")
-        why = slime_train.rows_unsupported(config, len(batch))
+        why = slime_train.rows_unsupported(config, len(batch), batch.tensors)
         if why:
             raise NotImplementedError(why)
         (result,) = slime_train.train_steps(model_path, [(batch, config, steps)],

@@ -70,7 +70,8 @@ def make_actor(args, model, optimizer, scheduler):
     actor.weights_backuper.backup("actor")
     actor.prof, actor.weight_updater = _Quiet(), _Quiet()
     actor.rollout_data_postprocess = None
-    Timer().start("train_wait")     # what init's with_defer does when init returns
+    if "train_wait" not in Timer().start_time:    # a previous job's train restarted it
+        Timer().start("train_wait")     # what init's with_defer does when init returns
     return actor
 
 

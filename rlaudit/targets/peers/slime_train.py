@@ -90,10 +90,14 @@ def unsupported(cfg: Config) -> list[str]:
     return [why for why, bad in checks.items() if bad]
 
 
-def rows_unsupported(cfg: Config, rows: int) -> str:
+def rows_unsupported(cfg: Config, rows: int, fields=("rollout_log_probs",)) -> str:
     """Why slime cannot run ``rows`` as ``cfg`` says ("" if it can): slime normalises the
     rewards of ``rollout.n`` consecutive samples and cuts steps of whole mini-batches."""
     n, mini = cfg.rollout.n, cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    if rows <= mini and "rollout_log_probs" not in fields:
+        # one optimizer step: slime reuses the loss's log-probs and shapes its zero KL on the
+        # rollout engine's log-probs (loss.py compute_advantages_and_returns), always sent
+        return "one optimizer step without rollout_log_probs (slime's engine always sends them)"
     if rows % n:
         return f"{rows} rows are not whole groups of rollout.n={n}"
     if rows % min(mini, rows):
@@ -170,7 +174,8 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, sna
     """``(batch, config, steps)`` jobs through slime's step, one after the other in one rank
     (slime imported once; a fresh model per job). ``snapshot``: the folder holding ``slime/``."""
     for batch, cfg, _steps in jobs:
-        bad = unsupported(cfg) + list(filter(None, [rows_unsupported(cfg, len(batch))]))
+        bad = unsupported(cfg) + list(filter(None, [
+            rows_unsupported(cfg, len(batch), batch.tensors)]))
         if bad:
             raise NotImplementedError(f"slime train_step does not map: {'; '.join(bad)}")
     request = {"snapshot": str(snapshot), "model": str(model_path),
@@ -184,7 +189,8 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, sna
 
 def samples(batch: RolloutBatch) -> list[dict]:
     """Each row as the fields of a slime ``Sample``: prompt then response tokens, the response
-    length, its loss mask, the score as the reward; ``index`` its group (the row's uid)."""
+    length, its loss mask, the score as the reward, the sampler's log-probs as the rollout
+    engine's (when the batch has them); ``index`` its group (the row's uid)."""
     t = batch.tensors
     out = []
     for i in range(len(batch)):
@@ -193,6 +199,8 @@ def samples(batch: RolloutBatch) -> list[dict]:
                     "response_length": r, "reward": float(t["scores"][i]),
                     "loss_mask": t["response_mask"][i, :r].int().tolist(),
                     "index": int(t["uid"][i])})
+        if "rollout_log_probs" in t:
+            out[-1]["rollout_log_probs"] = t["rollout_log_probs"][i, :r].tolist()
     return out
 
 
@@ -257,7 +265,8 @@ def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
     """Every variant of ``request`` slime's step maps, in one rank (slime imported once), each
     laid out as ``train_step``'s output would be; a variant whose rows it cannot run
     (:func:`rows_unsupported`) is not run: its invariants are n/a for slime."""
-    variants = [v for v in request.variants if not rows_unsupported(v.config, len(v.batch))]
+    variants = [v for v in request.variants
+                if not rows_unsupported(v.config, len(v.batch), v.batch.tensors)]
     if not variants or request.device != "cpu":     # mapped on CPU only
         return {}
 
