@@ -56,9 +56,10 @@ def make_actor(args, model, optimizer, scheduler):
     """slime's ``MegatronTrainRayActor`` without its Ray ``init`` (which starts the cluster
     side: rollout engines, weight sync, checkpoint loading): the attributes ``train`` reads."""
     # lazy: slime exists only inside the rank
-    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
-    from slime.observability.timer import Timer  # lazy: as above
+    from slime.backends.megatron_utils import actor as actor_module
     from slime.utils.tensor_backper import TensorBackuper  # lazy: as above
+
+    MegatronTrainRayActor, Timer = actor_module.MegatronTrainRayActor, actor_module.Timer
 
     actor = MegatronTrainRayActor.__new__(MegatronTrainRayActor)
     actor.args, actor.role = args, "actor"
@@ -92,9 +93,11 @@ def rollout_manager(args):
 @contextlib.contextmanager
 def recording(held: dict):
     """slime's log calls and the rollout data after its advantages, recorded while the block
-    runs (``logging_utils.log`` is slime's sink for wandb and tensorboard, both off)."""
+    runs (``logging_utils.log`` is slime's sink for wandb and tensorboard, both off; the module
+    its training loop logs through, slime.observability's or, in older snapshots, slime.utils')."""
     # lazy: slime exists only inside the rank
-    from slime.observability import logging_utils
+    from slime.backends.megatron_utils import model
+    logging_utils = model.logging_utils
     real = logging_utils.log
 
     def log(args, metrics, step_key):
