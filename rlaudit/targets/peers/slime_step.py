@@ -4,16 +4,65 @@ manager's hand-over and the actor's ``train``. Imports slime: loaded inside the 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlaudit.targets.peers.slime_cpu import PackedSequences, in_process_object_store
-from rlaudit.targets.peers.slime_train import METRICS, base_args, model_args
 
+#: slime's per-step log key -> rlaudit catalogue name
+METRICS = {"train/pg_loss": "actor/pg_loss", "train/pg_clipfrac": "actor/pg_clipfrac",
+           "train/ppo_kl": "actor/ppo_kl", "train/grad_norm": "actor/grad_norm",
+           "train/lr-pg_0": "actor/lr", "train/entropy_loss": "actor/entropy"}
 #: rlaudit's one rank, as slime's rollout manager is told the training layout
 PARALLEL = {"dp_size": 1, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+
+
+def megatron_defaults() -> dict[str, Any]:
+    """Megatron-LM arguments slime's step reads, at Megatron-LM's defaults (its parser is in
+    ``megatron.training``, absent here), for one rank in float32."""
+    return {
+        "bf16": False, "fp16": False, "params_dtype": torch.float32,
+        "use_distributed_optimizer": False, "overlap_grad_reduce": False,
+        "overlap_param_gather": False, "align_grad_reduce": True, "align_param_gather": False,
+        "check_for_nan_in_loss_and_grad": True, "manual_gc": False, "manual_gc_interval": 0,
+        "enable_gloo_process_groups": False, "moe_use_upcycling": False,
+        "load": "rlaudit-tiny-model", "pretrained_checkpoint": None, "seq_length": 4096,
+        "decoder_seq_length": None, "lr_decay_style": "constant", "lr_decay_iters": None,
+        "lr_wsd_decay_iters": None, "lr_wsd_decay_style": "exponential",
+        "lr_warmup_fraction": None, "lr_warmup_iters": 0, "lr_warmup_init": 0.0,
+        "weight_decay_incr_style": "constant", "use_checkpoint_opt_param_scheduler": False,
+        "override_opt_param_scheduler": False, "use_critic": False, "use_wandb": False,
+        "use_tensorboard": False, "debug_rollout_only": False, "debug_train_only": False,
+        "load_debug_rollout_data": None, "sequence_parallel": False, "no_load_optim": False,
+        "num_experts": None, "q_lora_rank": None, "kv_lora_rank": None,
+    }
+
+
+def model_args(hf_config) -> dict[str, Any]:
+    """Megatron-LM's model-shape arguments for the HF config (slime's FLOPs logging reads
+    them)."""
+    heads = hf_config.num_attention_heads
+    return {"num_layers": hf_config.num_hidden_layers, "hidden_size": hf_config.hidden_size,
+            "ffn_hidden_size": hf_config.intermediate_size, "num_attention_heads": heads,
+            "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or heads,
+            "kv_channels": getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // heads, "vocab_size": hf_config.vocab_size}
+
+
+def base_args(values: dict[str, Any]) -> argparse.Namespace:
+    """slime's parser's defaults, then Megatron-LM's (:func:`megatron_defaults`), then
+    ``values``."""
+    # lazy: slime exists only inside the rank
+    from slime.utils.arguments import get_slime_extra_args_provider
+    parser = get_slime_extra_args_provider()(argparse.ArgumentParser())
+    args, _ = parser.parse_known_args(["--rollout-batch-size", str(values["rollout_batch_size"])])
+    for key, value in {**megatron_defaults(), **values}.items():
+        setattr(args, key, value)
+    return args
 
 
 def build_model(model_path: str, args):
@@ -26,7 +75,6 @@ def build_model(model_path: str, args):
 
     from rlaudit.backends.megatron.convert import load_hf_weights  # lazy: megatron backend
     from rlaudit.backends.megatron.model import build_gpt_model, freeze_padding_embedding
-    from pathlib import Path  # lazy: with the rest of the rank's imports
     hf_config = AutoConfig.from_pretrained(model_path)
     state = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):

@@ -31,7 +31,6 @@ catalogue names (:data:`METRICS`), averaged over the optimizer steps of the trai
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Any
@@ -43,6 +42,7 @@ from rlaudit.backends.launch import launch
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
+from rlaudit.targets.peers.slime_step import METRICS, train_job
 from rlaudit.targets.run.target_backend import replayed_runs
 
 #: rlaudit estimator -> (slime advantage_estimator, grpo_std_normalization); slime normalises
@@ -51,10 +51,6 @@ ESTIMATORS = {"grpo": ("grpo", True), "drgrpo": ("grpo", False)}
 #: slime's GRPO std epsilon (slime/ray/rollout.py, _post_process_rewards)
 GRPO_EPS = 1e-6
 OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
-#: slime's per-step log key -> rlaudit catalogue name
-METRICS = {"train/pg_loss": "actor/pg_loss", "train/pg_clipfrac": "actor/pg_clipfrac",
-           "train/ppo_kl": "actor/ppo_kl", "train/grad_norm": "actor/grad_norm",
-           "train/lr-pg_0": "actor/lr", "train/entropy_loss": "actor/entropy"}
 AGG_MODES = {"token-mean": True, "seq-mean-token-mean": False}
 
 
@@ -137,38 +133,6 @@ def slime_args(cfg: Config, *, rows: int, steps: int) -> dict[str, Any]:
     }
 
 
-def megatron_defaults() -> dict[str, Any]:
-    """Megatron-LM arguments slime's step reads, at Megatron-LM's defaults (its parser is in
-    ``megatron.training``, absent here), for one rank in float32."""
-    return {
-        "bf16": False, "fp16": False, "params_dtype": torch.float32,
-        "use_distributed_optimizer": False, "overlap_grad_reduce": False,
-        "overlap_param_gather": False, "align_grad_reduce": True, "align_param_gather": False,
-        "check_for_nan_in_loss_and_grad": True, "manual_gc": False, "manual_gc_interval": 0,
-        "enable_gloo_process_groups": False, "moe_use_upcycling": False,
-        "load": "rlaudit-tiny-model", "pretrained_checkpoint": None, "seq_length": 4096,
-        "decoder_seq_length": None, "lr_decay_style": "constant", "lr_decay_iters": None,
-        "lr_wsd_decay_iters": None, "lr_wsd_decay_style": "exponential",
-        "lr_warmup_fraction": None, "lr_warmup_iters": 0, "lr_warmup_init": 0.0,
-        "weight_decay_incr_style": "constant", "use_checkpoint_opt_param_scheduler": False,
-        "override_opt_param_scheduler": False, "use_critic": False, "use_wandb": False,
-        "use_tensorboard": False, "debug_rollout_only": False, "debug_train_only": False,
-        "load_debug_rollout_data": None, "sequence_parallel": False, "no_load_optim": False,
-        "num_experts": None, "q_lora_rank": None, "kv_lora_rank": None,
-    }
-
-
-def model_args(hf_config) -> dict[str, Any]:
-    """Megatron-LM's model-shape arguments for the HF config (slime's FLOPs logging reads
-    them)."""
-    heads = hf_config.num_attention_heads
-    return {"num_layers": hf_config.num_hidden_layers, "hidden_size": hf_config.hidden_size,
-            "ffn_hidden_size": hf_config.intermediate_size, "num_attention_heads": heads,
-            "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or heads,
-            "kv_channels": getattr(hf_config, "head_dim", None)
-            or hf_config.hidden_size // heads, "vocab_size": hf_config.vocab_size}
-
-
 def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, snapshot: str,
                 timeout: float = 300.0) -> list[dict]:
     """``(batch, config, steps)`` jobs through slime's step, one after the other in one rank
@@ -222,23 +186,9 @@ def train_rank(info, request: dict) -> list[dict]:
     # arithmetic without an inductor build per shape (as the stage adapter, slime.py)
     torch.compiler.set_stance("force_eager")
     try:
-        # lazy: slime_step imports slime, inside the rank only
-        from rlaudit.targets.peers.slime_step import train_job
         return [train_job(request["model"], job, held) for job in request["jobs"]]
     finally:
         compat.teardown_megatron()
-
-
-def base_args(values: dict[str, Any]) -> argparse.Namespace:
-    """slime's parser's defaults, then Megatron-LM's (:func:`megatron_defaults`), then
-    ``values``."""
-    # lazy: slime exists only inside the rank
-    from slime.utils.arguments import get_slime_extra_args_provider
-    parser = get_slime_extra_args_provider()(argparse.ArgumentParser())
-    args, _ = parser.parse_known_args(["--rollout-batch-size", str(values["rollout_batch_size"])])
-    for key, value in {**megatron_defaults(), **values}.items():
-        setattr(args, key, value)
-    return args
 
 
 def output(result: dict, batch: RolloutBatch) -> TrainStepOutput:
