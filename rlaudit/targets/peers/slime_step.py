@@ -187,7 +187,10 @@ def train_job(model_path: str, job: dict, held: dict) -> dict:
             data = manager._convert_samples_to_train_data([Sample(**s) for s in job["samples"]])
             actor.train(rollout_id, manager._split_train_data_by_dp(data))
         result["raw_metrics"].append(held["logs"])
-        result["metrics"].append(step_metrics(held["logs"], args.calculate_per_token_loss))
+        metrics = step_metrics(held["logs"], args.calculate_per_token_loss)
+        if not job["entropy"]:      # slime logs it always; the config does not compute it
+            metrics.pop("actor/entropy", None)
+        result["metrics"].append(metrics)
         if rollout_id == 0:
             result["tokens"] = seen[0]
         result["params"].append({k: v.detach().cpu().clone()

@@ -145,7 +145,7 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, sna
     request = {"snapshot": str(snapshot), "model": str(model_path),
                "jobs": [{"steps": steps, "samples": samples(batch),
                          "args": slime_args(cfg, rows=len(batch), steps=steps),
-                         "width": int(batch.tensors["response_ids"].shape[1])}
+                         "entropy": bool(cfg.compute_entropy)}
                         for batch, cfg, steps in jobs]}
     return launch(train_rank, 1, args=(request,), timeout=timeout * len(jobs),
                   env={"TOKENIZERS_PARALLELISM": "false"})[0]
