@@ -142,6 +142,15 @@ class SlimeAdapter(TargetAdapter):
             checks=("policy_loss:parity", "policy_loss:global-split"),
             cases=_token_normaliser_cases()),
         Difference(
+            "ppo-kl-log-ratio-unclamped",
+            reason="the logged ppo_kl is the token mean of old_log_probs - log_probs as they "
+                   "are (and the ratio exp of it); rlaudit clamps the log-ratio to +-20 first, as "
+                   "verl does. They differ only where a token's log-ratio passes 20 nats (a "
+                   "policy moved that far: ppo_dual_clip's SGD at lr 2.0), where the clipped "
+                   "loss and its gradient agree",
+            link=f"{_LOSS}#L1033",
+            checks=("backend-parity",), cases=("actor/ppo_kl",)),
+        Difference(
             "gspo-sequence-level-gradient",
             reason="GSPO's ratio is exp of the sequence's mean log-ratio with the gradient "
                    "flowing through that mean (GSPO, eq. 7), so each token's term moves every "
