@@ -100,3 +100,19 @@ def test_slime_step_matches_reference_on_builtin_rollout():
     # the step trained: the parameters moved (lr 0.5) and two optimizer steps were logged
     assert got.metrics[0]["actor/grad_norm"] > 0
     assert len([d for d in result["raw_metrics"][0] if "train/step" in d]) == 2
+
+
+def test_step_metrics_average_optimizer_steps_and_keep_catalogue_meanings():
+    from rlaudit.targets.peers.slime_step import step_metrics  # lazy: a rank module (no slime)
+    logs = [{"rollout/log_probs": -2.0, "rollout/step": 0},       # not an optimizer step
+            {"train/pg_loss": -0.25, "train/ppo_kl": 0.0, "train/pg_clipfrac": 0.5,
+             "train/grad_norm": 3.0, "train/lr-pg_0": 0.5, "train/step": 0},
+            {"train/pg_loss": -0.75, "train/ppo_kl": 0.25, "train/pg_clipfrac": 0.0,
+             "train/grad_norm": 5.0, "train/lr-pg_0": 0.5, "train/step": 1}]
+    assert step_metrics(logs, per_token=True) == {
+        "actor/pg_loss": -0.5, "actor/ppo_kl": 0.125, "actor/pg_clipfrac": 0.25,
+        "actor/grad_norm": 4.0, "actor/lr": 0.5}
+    # per-sample means: slime's clip fraction and ppo_kl are means of per-sample means, not the
+    # catalogue's token-means
+    assert set(step_metrics(logs, per_token=False)) == {"actor/pg_loss", "actor/grad_norm",
+                                                         "actor/lr"}
