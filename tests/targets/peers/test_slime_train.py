@@ -116,3 +116,37 @@ def test_step_metrics_average_optimizer_steps_and_keep_catalogue_meanings():
     # catalogue's token-means
     assert set(step_metrics(logs, per_token=False)) == {"actor/pg_loss", "actor/grad_norm",
                                                          "actor/lr"}
+
+
+@pytest.mark.slow
+def test_slime_backend_parity_on_ppo_dual_clip_differs_on_ppo_kl_only(tmp_path):
+    """``rlaudit run --target slime ppo_dual_clip`` (SGD lr 2.0, no clipping: after the first
+    training step some tokens' log-ratios pass 20 nats): backend-parity runs and differs only on
+    ``actor/ppo_kl`` of step 1, as declared (slime does not clamp the log-ratio, the reference
+    clamps it at +-20); the loss, clip fraction, grad_norm and parameters agree."""
+    import json  # lazy: slow path only
+    import os  # lazy: as above
+    import subprocess  # lazy: as above
+    import sys  # lazy: as above
+    from pathlib import Path  # lazy: as above
+    try:
+        peers.source_snapshot("slime", AFTER)
+    except InputError as e:
+        pytest.skip(f"slime snapshot absent: {e}")
+    repo = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlaudit.cli.main", "run", "--target", f"slime=={AFTER}",
+         "ppo_dual_clip", "--json", "--no-mlflow", "--report-dir", str(tmp_path)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (scenario,) = [r for r in json.loads(proc.stdout) if r["scenario"] == "ppo_dual_clip"]
+    got = {c["invariant"]: c for c in scenario["checks"] if c["backend"].startswith("slime")}
+    assert got["backend-parity"]["status"] == "differs"
+    details = got["backend-parity"]["details"]
+    assert set(details["differences"]) == {"ppo-kl-log-ratio-unclamped"}
+    assert {(f["metric"], f["step"]) for f in details["failures"]} == {("actor/ppo_kl", 1)}
+    # slime's unclamped mean is the larger: clamping tokens past 20 nats lowers the reference's
+    assert all(f["got"] > f["want"] for f in details["failures"])
+    assert got["grad-norm-identity"]["status"] == "pass"
