@@ -22,8 +22,12 @@ slime runs on Megatron: a one-rank model-parallel state (tp = pp = cp = dp = 1, 
 initialised in this process on first use. Its KL and loss kernels are ``torch.compile``d; on CPU
 they run eagerly here (``torch.compiler.set_stance("force_eager")``: the same float32 arithmetic
 without an inductor build per shape). slime computes KL and losses in float32:
-``precision = "float32"``. No ``train_step``: slime's actor is a Megatron model trained through
-Ray and SGLang (docs/peers.md, "slime").
+``precision = "float32"``.
+
+``train_step`` / ``replay``: slime's own Megatron actor step (its rollout manager's hand-over,
+``MegatronTrainRayActor.train``, Megatron's forward-backward, slime's loss and optimizer) on the
+CPU in a rank of rlaudit's launcher (slime_train.py; what stands in for the GPU cluster is in
+slime_cpu.py); ``supports`` names every setting it does not map.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import functools
 import logging
 import warnings
 from argparse import Namespace
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -40,6 +45,7 @@ import torch
 from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.targets.peers import slime_train
 from rlaudit.targets.peers.registry import snapshot_column
 from rlaudit.targets.stages.loss import CLIP_SETTINGS, POLICY_METRICS
 
@@ -113,6 +119,9 @@ class SlimeAdapter(TargetAdapter):
     kl_estimators = tuple(KL_KINDS)
     loss_modes = tuple(LOSS_MODES)
     loss_agg_modes = tuple(AGG_MODES)
+    #: train_step: slime's Megatron actor over megatron-core on the CPU, float32 (slime_train.py)
+    train_precision = "float32"
+    metric_names = tuple(slime_train.METRICS.values())
     differences = (
         Difference(
             "sample-mean-over-every-sample",
@@ -133,6 +142,15 @@ class SlimeAdapter(TargetAdapter):
             checks=("policy_loss:parity", "policy_loss:global-split"),
             cases=_token_normaliser_cases()),
         Difference(
+            "ppo-kl-log-ratio-unclamped",
+            reason="the logged ppo_kl is the token mean of old_log_probs - log_probs as they "
+                   "are (and the ratio exp of it); rlaudit clamps the log-ratio to +-20 first, as "
+                   "verl does. They differ only where a token's log-ratio passes 20 nats (a "
+                   "policy moved that far: ppo_dual_clip's SGD at lr 2.0), where the clipped "
+                   "loss and its gradient agree",
+            link=f"{_LOSS}#L1033",
+            checks=("backend-parity",), cases=("actor/ppo_kl",)),
+        Difference(
             "gspo-sequence-level-gradient",
             reason="GSPO's ratio is exp of the sequence's mean log-ratio with the gradient "
                    "flowing through that mean (GSPO, eq. 7), so each token's term moves every "
@@ -145,6 +163,33 @@ class SlimeAdapter(TargetAdapter):
     def __init__(self):
         # the report column names the snapshot audited (slime-<commit>)
         self.name = snapshot_column("slime")
+
+    @property
+    def snapshot(self) -> str:
+        """The folder holding the ``slime/`` package audited (put on the rank's path)."""
+        return str(Path(_import_slime().path).resolve().parents[1])
+
+    # ---- the whole training step ---------------------------------------------------------
+    def supports(self, config):
+        why = slime_train.unsupported(config)
+        return not why, "; ".join(why)
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        """slime's own actor step (slime_train), ``steps`` times on ``batch``, on CPU;
+        ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
+        if device != "cpu":
+            raise NotImplementedError("slime's train_step is mapped on CPU only")
+        why = slime_train.rows_unsupported(config, len(batch), batch.tensors)
+        if why:
+            raise NotImplementedError(why)
+        (result,) = slime_train.train_steps(model_path, [(batch, config, steps)],
+                                            snapshot=self.snapshot)
+        return slime_train.output(result, batch)
+
+    def replay(self, request):
+        """Every supported variant of a scenario in one rank (slime_train.replay)."""
+        return slime_train.replay(self, request)
 
     # ---- KL in reward --------------------------------------------------------------------
     def apply_kl_in_reward(self, *, token_level_scores, old_log_probs, ref_log_probs,
