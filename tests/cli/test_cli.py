@@ -84,7 +84,7 @@ def test_list_json(capsys):
     assert main(["list", "--json", "--scenarios-dir", str(SCENARIOS)]) == 0
     data = json.loads(capsys.readouterr().out)
     names = {s["name"] for s in data["scenarios"]}
-    assert names == {p.stem for p in SCENARIOS.glob("*.yaml")} and len(names) == 37
+    assert names == {p.stem for p in SCENARIOS.glob("*.yaml")} and len(names) == 38
     assert {b["name"] for b in data["backends"]} == {"reference", "fsdp", "megatron"}
     ref = next(b for b in data["backends"] if b["name"] == "reference")
     assert ref["available"] is True
@@ -98,7 +98,7 @@ def test_list_json(capsys):
     # the text form names the same things
     assert main(["list", "--scenarios-dir", str(SCENARIOS)]) == 0
     out = capsys.readouterr().out
-    assert out.count("scenario  ") == 37 and "invariant sanity-bounds" in out
+    assert out.count("scenario  ") == 38 and "invariant sanity-bounds" in out
 
 
 def test_list_invariants_only_needs_no_scenarios(tmp_path, capsys):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 _VERL = "https://github.com/verl-project/verl"
 _SKYRL = "https://github.com/NovaSky-AI/SkyRL"
 _SLIME = "https://github.com/THUDM/slime"
+_OPENRLHF = "https://github.com/OpenRLHF/OpenRLHF"
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ RED: tuple[Red, ...] = (
     Red("slime", "apply_kl_in_reward:rewards-from-stored-kl", f"{_SLIME}/pull/2114",
         "as stored-kl-unaltered: the rewards are built in the stored KL's tensor",
         releases=("a0d6d26a2",)),
+    Red("openrlhf", "policy_loss:parity",
+        f"{_OPENRLHF}/commit/df78645ec8c461fe1248e92aad1f556b1898e9b1",
+        "the sequence-level loss masked_mean(loss, mask, dim=-1).mean() divides a response "
+        "without an action token by 0: loss and every gradient NaN", before="0.10.3"),
 )
 
 

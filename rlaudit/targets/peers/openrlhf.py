@@ -22,6 +22,8 @@ arguments its trainer would pass:
   actor's ``loss_batch_info`` (``batch_num_tokens``, ``global_batch_size``, ``dp_size=1``).
 - ``policy_loss``: ``PolicyLoss`` (ppo with ``dual_clip``, gspo), called as the actor's
   ``training_step`` calls it.
+- ``train_step``: not on CPU (OpenRLHF calls CUDA by name: ``openrlhf_train.BLOCKERS``, named
+  in every run-level check's n/a); the CUDA path is ``openrlhf_train`` and its gpu test.
 
 Precision: OpenRLHF computes the KL estimators in float32 (``.float()``) and whitens advantages
 in float32; its losses keep the inputs' dtype (float64 here).
@@ -36,6 +38,7 @@ import torch
 
 from rlaudit.algo.agg import Denominators
 from rlaudit.targets.contract.adapter import TargetAdapter
+from rlaudit.targets.peers import openrlhf_train
 from rlaudit.targets.peers.openrlhf_declared import differences
 from rlaudit.targets.peers.openrlhf_import import import_openrlhf
 
@@ -106,6 +109,21 @@ class OpenRLHFAdapter(TargetAdapter):
 
     def _has_unbiased_kl(self) -> bool:
         return "unbiased_gradient" in inspect.signature(self.orl.utils.compute_approx_kl).parameters
+
+    # ---- the whole training step ----------------------------------------------------------
+    def available(self) -> tuple[bool, str]:
+        """OpenRLHF's actor step calls CUDA by name (openrlhf_train.BLOCKERS): run-level checks
+        are n/a with those lines, and the reference is not replayed for nothing. On CUDA the
+        step is driven by the gpu test only, not by ``run --target`` (bf16 parameters)."""
+        return False, openrlhf_train.blockers(self.version)
+
+    def supports(self, config):
+        return self.available()
+
+    def train_step(self, **_):
+        """Never called through ``run --target`` (:meth:`available`); here so that the run-level
+        checks say why OpenRLHF's step does not run instead of that it has none."""
+        raise NotImplementedError(openrlhf_train.blockers(self.version))
 
     # ---- advantages --------------------------------------------------------------------------
     def compute_advantages(self, *, estimator, token_level_rewards, response_mask, uid,

@@ -19,6 +19,7 @@ else ``<peers dir>/slime-<commit>``.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os
@@ -89,6 +90,7 @@ def activate(name: str, version: str | None = None) -> str | None:
     if version is None:
         versions = installed_versions(name)
         if importlib.util.find_spec(_module_of(name)) is not None:
+            keep_environment_copy(_module_of(name))
             if versions and str(peers_dir() / f"{name}-{versions[-1]}") not in sys.path:
                 leave_other_peers(peers_dir() / f"{name}-{versions[-1]}")
                 sys.path.append(str(peers_dir() / f"{name}-{versions[-1]}"))
@@ -107,6 +109,37 @@ def activate(name: str, version: str | None = None) -> str | None:
     sys.path.insert(0, str(path))
     _refresh_probes()
     return version
+
+
+class _FirstFinder:
+    """Finds top-level module ``module`` through ``finder`` only, ahead of ``sys.path``."""
+
+    def __init__(self, module: str, finder) -> None:
+        self.module, self.finder = module, finder
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.module:
+            return None
+        return self.finder.find_spec(fullname, path, target)
+
+
+def keep_environment_copy(module: str) -> None:
+    """Keep the environment's ``module`` ahead of a peers directory appended to ``sys.path``.
+
+    ``pip install -e`` with setuptools' default editable mode installs a finder that
+    ``sys.meta_path`` consults *after* ``sys.path``: with the newest ``<peers dir>/verl-*``
+    appended for verl's dependencies, the pinned release's ``verl`` would shadow the fork the
+    user installed. The finder that finds ``module`` now goes first, for that name only (its
+    submodules follow the package's own ``__path__``). A module found through ``sys.path``
+    needs nothing: its entry is already ahead of the appended directory."""
+    if any(isinstance(f, _FirstFinder) and f.module == module for f in sys.meta_path):
+        return
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is not None and find(module, None) is not None:
+            if finder is not importlib.machinery.PathFinder:
+                sys.meta_path.insert(0, _FirstFinder(module, finder))
+            return
 
 
 def leave_other_peers(keep: Path) -> None:

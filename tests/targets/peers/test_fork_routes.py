@@ -1,10 +1,13 @@
 """docs/peers.md's fork routes, on stand-ins: a fork importable from the environment (``pip
-install -e --no-deps``) keeps winning, and still finds the packages ``make peers`` installed for
-the peer; a fork in a ``--target`` directory of its own is found by its version."""
+install -e --no-deps``, through a ``sys.path`` entry or through an import finder as setuptools'
+editable installs make) keeps winning, and still finds the packages ``make peers`` installed for
+the peer; a fork in a ``--target`` directory of its own is found by its version. The routes done
+for real, with pip and a copy of verl: test_fork_routes_real.py."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 
 import pytest
@@ -21,6 +24,7 @@ def _package(root, name: str, text: str = "") -> None:
 @pytest.fixture
 def clean(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setenv("RLAUDIT_PEERS_DIR", str(tmp_path / "peers"))
     for mod in ("verl", "fake_dep_of_verl"):
         monkeypatch.delitem(sys.modules, mod, raising=False)
@@ -40,6 +44,31 @@ def test_an_editable_fork_wins_and_finds_its_dependencies(clean):
     assert registry.activate("verl") is None      # the environment's verl is used ...
     assert importlib.import_module("verl").WHO == "fork"   # ... and imports its dependency
     assert sys.path[-1] == str(pinned)            # from behind everything the environment has
+
+
+class _EditableFinder:
+    """What setuptools' editable install adds: a finder for one package, asked after sys.path."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "verl":
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [str(self.root)])
+
+
+def test_an_editable_fork_found_by_a_finder_wins_over_the_appended_peer(clean):
+    fork = clean / "fork"
+    _package(fork, "verl", "WHO = 'fork'\nimport fake_dep_of_verl\n")
+    pinned = clean / "peers" / "verl-0.9.1"
+    _package(pinned, "verl", "WHO = 'pinned'\n")
+    _package(pinned, "fake_dep_of_verl")
+    sys.meta_path.append(_EditableFinder(fork))
+    importlib.invalidate_caches()
+    assert registry.activate("verl") is None
+    assert importlib.import_module("verl").WHO == "fork"
+    assert sys.path[-1] == str(pinned)
 
 
 def test_a_fork_in_its_own_target_directory_is_found_by_version(clean):
