@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rlaudit.targets.peers import peers_dir
+from rlaudit.targets.peers.known_reds import traced
 
 REPO = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).with_name("verl_probe.py")
@@ -158,7 +159,13 @@ def test_verl_071(tmp_path):
                             "make_microbatches:within-token-budget",
                             "value_loss:global-split"}, \
         {k: checks[k]["message"] for k in failed}
-    _check_071_megatron_step(checks, failed - stage_failed)
+    assert not failed - stage_failed, {k: checks[k]["message"] for k in failed - stage_failed}
+    _check_071_megatron_step(columns["verl-megatron-0.7.1"])
+    _check_071_fsdp_step(columns["verl-fsdp-0.7.1"])
+    # every red of verl's own training step is a known upstream bug (known_reds.py)
+    for engine in ("fsdp", "megatron"):
+        for name in _failed(columns[f"verl-{engine}-0.7.1"]):
+            assert traced("verl", "0.7.1", f"{name}@{engine}"), (engine, name)
     problems = {k: checks[k]["details"]["problems"] for k in stage_failed}
     # only REINFORCE++ (not its -baseline) differs among the estimators ...
     assert all(p.startswith("reinforce_plus_plus gamma=") for p in
@@ -180,8 +187,9 @@ def test_verl_071(tmp_path):
                for p in problems["value_loss:global-split"])
 
 
-def _check_071_megatron_step(checks: dict, run_failed: set) -> None:
+def _check_071_megatron_step(checks: dict) -> None:
     """train_step on 0.7.1's legacy Megatron actor (rlaudit/targets/peers/verl_megatron.py)."""
+    run_failed = _failed(checks)
     entropy = checks["entropy-logged-when-coeff-zero"]
     if entropy["status"] == "n/a":       # a peer installed before hydra-core was pinned for it
         assert "hydra-core" in entropy["message"] and not run_failed, entropy["message"]
@@ -194,11 +202,35 @@ def _check_071_megatron_step(checks: dict, run_failed: set) -> None:
     # logs pg_loss 0/0
     assert run_failed <= {"entropy-logged-when-coeff-zero", "backend-parity",
                           "microbatch-invariance", "row-permutation", "sanity-bounds",
-                          "on-policy-identities"}, {k: checks[k]["message"] for k in run_failed}
+                          "on-policy-identities", "engine-parity"}, \
+        {k: checks[k]["message"] for k in run_failed}
     if "on-policy-identities" in run_failed:
         assert "pg_loss" in checks["on-policy-identities"]["message"]
     # ... and nothing else: with one micro-batch per mini-batch it agrees with the reference
     parity = [f["message"] for f in checks["backend-parity"]["details"].get("failures", [])]
     assert parity and not [m for m in parity if m.startswith("variant microbatch:all:")], parity
     for name in ("masked-values", "padding-appended", "rollout-parity", "grad-norm-identity"):
+        assert checks[name]["status"] == "pass", (name, checks[name]["message"])
+    # the two legacy actors against each other (engine-parity): the same update (both normalise
+    # per micro-batch), but the FSDP actor sums pg_loss over mini-batches and epochs (verl PR
+    # #5766) where the Megatron one averages it: pg_loss is all that differs
+    engine = [f["message"] for f in checks["engine-parity"]["details"].get("failures", [])]
+    assert checks["engine-parity"]["status"] == "fail" and engine, checks["engine-parity"]
+    assert all("actor/pg_loss" in m for m in engine), engine
+
+
+def _check_071_fsdp_step(checks: dict) -> None:
+    """train_step on 0.7.1's legacy FSDP actor (rlaudit/targets/peers/verl_dp_actor.py): it
+    honours calculate_entropy (dp_actor.py:580), so the founding bug is red on Megatron only;
+    it shares the per-micro-batch normalisation (verl issue #5625)."""
+    entropy = checks["entropy-logged-when-coeff-zero"]
+    if entropy["status"] == "n/a":       # a peer installed before hydra-core was pinned for it
+        assert "hydra-core" in entropy["message"], entropy["message"]
+        return
+    assert entropy["status"] == "pass", entropy["message"]
+    assert _failed(checks) <= {"backend-parity", "microbatch-invariance", "row-permutation",
+                               "sanity-bounds", "on-policy-identities"}, \
+        {k: checks[k]["message"] for k in _failed(checks)}
+    for name in ("masked-values", "padding-appended", "rollout-parity", "grad-norm-identity",
+                 "ppo-epochs-identity"):
         assert checks[name]["status"] == "pass", (name, checks[name]["message"])
