@@ -4,6 +4,9 @@ reference update on the same batch (one mini-batch of 16 rows in one micro-batch
 no KL, float32), and the entropy flag the Megatron actor ignores (verl PR #6016): with
 ``entropy_coeff = 0`` and ``calculate_entropy = true`` the FSDP actor logs ``actor/entropy``
 (dp_actor.py:580), and only then.
+
+``device`` / ``backend`` are parameters: the CPU (gloo) case runs here, the CUDA (NCCL) one in the
+nightly GPU job (marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def _missing() -> str:
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_missing()), reason=_missing())]
 
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = [pytest.param(("cpu", "gloo"), id="cpu-gloo"),
+           pytest.param(("cuda", "nccl"), id="cuda-nccl", marks=[pytest.mark.gpu, _NO_CUDA])]
+
 
 def _config(**actor):
     # 16 rows = 4 prompts x n 4: one mini-batch, one micro-batch, one on-policy SGD step
@@ -51,11 +58,13 @@ CASES = {"calc": {"entropy_coeff": 0.0, "calculate_entropy": True},
          "off": {"entropy_coeff": 0.0, "calculate_entropy": False}}
 
 
-@pytest.fixture(scope="module")
-def runs():
+@pytest.fixture(scope="module", params=DEVICES)
+def runs(request):
     from rlaudit.targets.peers.verl_dp_actor import train_steps
+    device, backend = request.param
     batch = load_rollout(ROLLOUT)
-    out = train_steps(MODEL, [(batch, _config(**c), 1) for c in CASES.values()], peer=str(PEER))
+    out = train_steps(MODEL, [(batch, _config(**c), 1) for c in CASES.values()], peer=str(PEER),
+                      device=device, backend=backend)
     return dict(zip(CASES, out))
 
 
@@ -78,9 +87,10 @@ def test_dp_actor_step_matches_reference(runs):
     params = got["params"][0]
     assert set(params) == set(ref.params[0])
     for name, value in params.items():
-        torch.testing.assert_close(value.reshape(-1), ref.params[0][name].reshape(-1).float(),
+        torch.testing.assert_close(value.cpu().reshape(-1),
+                                   ref.params[0][name].reshape(-1).float(),
                                    rtol=RTOL, atol=1e-6, msg=name)
     before = load_file(str(MODEL / "model.safetensors"))
-    moved = max((params[n].reshape(-1) - before[n].reshape(-1).float()).abs().max().item()
+    moved = max((params[n].cpu().reshape(-1) - before[n].reshape(-1).float()).abs().max().item()
                 for n in params if n in before)
     assert moved > 1e-4                                  # the optimizer really stepped
