@@ -2,10 +2,13 @@
 runs it: `rlaudit run --target verl==<version>` in a subprocess (two verl versions cannot share a
 process), plus hand-worked inputs through each version (tests/targets/peers/verl_probe.py).
 
-verl 0.9.1 must pass with its documented differences declared; verl 0.7.1 must fail exactly on its
-known bugs: GSPO ignoring loss_agg_mode, the REINFORCE++ return recursion resetting at masked
-(tool-output) tokens, and the legacy actor's dynamic batching giving DP ranks different
-micro-batch counts (verl issues #6176/#6178, fixed by PR #5591 after 0.7.1).
+verl 0.9.1 must pass with its documented differences declared (its Megatron engine's column
+unsupported, never red); verl 0.7.1 must fail exactly on its known bugs: GSPO ignoring
+loss_agg_mode, the REINFORCE++ return recursion resetting at masked (tool-output) tokens, the
+legacy actor's dynamic batching giving DP ranks different micro-batch counts (verl issues
+#6176/#6178, fixed by PR #5591 after 0.7.1), and in its own training step, one column per engine,
+only the reds known_reds.py traces (#6016 on the Megatron column alone, the per-micro-batch
+normalisation of both legacy actors, their different pg_loss logging between the two).
 """
 
 from __future__ import annotations
