@@ -138,15 +138,14 @@ class VerlAdapter(TargetAdapter):
                              for e in ("fsdp", "megatron") if e in impls)
         if impls.get("fsdp") == "engine":
             self.differences += verl_step.train_differences(self.version)
-        else:
+        elif "legacy" in impls.values():
             # metric_reduction stays the stage functions' (pg_loss a contribution under global
             # counts): the legacy actors pass none, the bug of verl #5863 (docs/peers.md); the
             # FSDP one logs actor/entropy as each micro-batch's local mean, averaged
             # (dp_actor.py:643; the Megatron one logs none, verl #6016)
             self.metric_names = verl_step.MEGATRON_METRICS
             self.metric_reduction = {**self.metric_reduction, "actor/entropy": "microbatch-mean"}
-            if impls:
-                self.differences += verl_step.legacy_differences(self.version)
+            self.differences += verl_step.legacy_differences(self.version)
         self.peer = str(Path(verl.__file__).parent.parent)
 
     # ---- conversions -----------------------------------------------------------------------

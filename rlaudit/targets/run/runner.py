@@ -41,11 +41,11 @@ from rlaudit.targets.contract.declare import Declarations, read_declarations
 from rlaudit.targets.contract.load import load_adapter
 from rlaudit.targets.inputs import builtin
 from rlaudit.targets.inputs.dynamic_sampling import unfiltered_inputs
+from rlaudit.targets.run.engines import ENGINE_PARITY, engine_checks, engines_of
 from rlaudit.targets.run.found import is_stage_case, replay
 from rlaudit.targets.run.localise import localise_target
 from rlaudit.targets.run.noise import attach_noise_floor, with_noise_floor
 from rlaudit.targets.run.parity import check_invariant
-from rlaudit.targets.run.engines import ENGINE_PARITY, engine_checks, engines_of
 from rlaudit.targets.run.target_backend import TargetBackend
 from rlaudit.targets.stages.suite import run_stage_checks
 from rlaudit.verdict.result import NA, CheckResult, ScenarioResult
