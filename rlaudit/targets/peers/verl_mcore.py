@@ -30,8 +30,11 @@ LATER = ("past it, mbridge moves the model with .cuda() (mbridge/core/util.py:15
 def config_error(dtype: str = "float32") -> str | None:
     """What verl's ``McoreEngineConfig`` says to ``dtype`` (None: accepted), with the file and
     line of verl that refused it."""
-    # lazy: verl is an optional peer, imported when audited
-    from verl.workers.config.engine import McoreEngineConfig
+    try:
+        # lazy: verl is an optional peer, imported when audited
+        from verl.workers.config.engine import McoreEngineConfig
+    except ImportError as e:       # a release without it: said, never a crash of the column
+        return f"verl.workers.config.engine.McoreEngineConfig cannot be imported ({e})"
     try:
         McoreEngineConfig(dtype=dtype)
     except (AssertionError, ValueError) as e:
