@@ -1,12 +1,12 @@
 """Wall time of the audit of one verl release with train_step: the stage checks and the built-in
-target scenario (every invariant), verl's FSDP step in one group of gloo ranks and the reference
-backend.
+target scenario (every invariant), each of verl's engines (its own column: verl-fsdp-<v>,
+verl-megatron-<v>) in one group of gloo ranks, and the reference backend.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/verl_audit.py [VERSION]   # e.g. 0.9.1
 
 Prints the time of the stage checks and of the scenario, the total (verl's import included), the
-per-invariant results for verl and any reference-column result that is not a pass or n/a. Exit 1
-on any failure. One intra-op thread, as benchmarks/trl_audit.py says why.
+per-invariant results of verl's columns and any reference-column result that is not a pass or
+n/a. Exit 1 on any failure. One intra-op thread, as benchmarks/trl_audit.py says why.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ def main(version: str | None) -> int:
     print(f"verl {adapter.version} (import {time.perf_counter() - T0:.1f} s)")
     failed = 0
     results = run_target(adapter)
+    mine = {adapter.name, *(e.name for e in getattr(adapter, "engines", ()))}
     for r in results:
         print(f"\n{r.scenario}: {r.seconds:.1f} s")
         for c in r.checks:
             failed += c.status in ("fail", "error")
-            if c.backend != adapter.name and c.status in ("pass", "n/a"):
+            if c.backend not in mine and c.status in ("pass", "n/a"):
                 continue
             who = "" if c.backend == adapter.name else f" [{c.backend}]"
             print(f"  {c.invariant + who:40s} {c.status:8s} {c.message[:120]}")

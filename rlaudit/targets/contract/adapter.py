@@ -25,7 +25,9 @@ Optional attributes: ``name`` (the column in reports; default the class name),
 ``supports(config) -> (bool, why)`` (whether train_step can run a config; an unsupported variant
 makes the invariants that need it n/a) and ``filters_groups`` (True: ``train_step`` applies DAPO's
 group filter itself, so scenarios with ``algorithm.filter_groups.enable`` hand it the unfiltered
-rows; see rlaudit/targets/inputs/dynamic_sampling.py).
+rows; see rlaudit/targets/inputs/dynamic_sampling.py) and ``engines`` (a tuple of adapters, one
+per training engine of the trainer, each its own report column, compared with the reference and
+with the first engine; see rlaudit/targets/run/engines.py).
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ def version_key(version: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in version.split("+")[0].split("."))
 
 
+#: the run-level checks a per-micro-batch loss normalisation turns red (verl 0.7's legacy actors)
+_PER_MICRO_BATCH = ("backend-parity", "microbatch-invariance", "row-permutation",
+                    "on-policy-identities", "sanity-bounds")
+
 RED: tuple[Red, ...] = (
     Red("verl", "compute_advantages:parity", f"{_VERL}/pull/7300",
         "REINFORCE++'s return recursion resets at every mask-0 token", before="0.9.0"),
@@ -58,6 +62,25 @@ RED: tuple[Red, ...] = (
         "a valid token", before="0.6.0"),
     Red("verl", "value_loss:parity", f"{_VERL}/blob/v0.5.0/verl/trainer/ppo/core_algos.py#L707",
         "as agg_loss:parity (compute_value_loss aggregates with agg_loss)", before="0.6.0"),
+    # verl's own training step (train_step), one column per engine: the check as
+    # "<invariant>@<engine>" (tests/targets/peers/test_verl.py reads them)
+    Red("verl", "entropy-logged-when-coeff-zero@megatron", f"{_VERL}/pull/6016",
+        "the legacy Megatron actor computes and logs entropy only when entropy_coeff != 0, "
+        "whatever calculate_entropy says", before="0.8.0"),
+    *(Red("verl", f"{check}@megatron", f"{_VERL}/issues/5863",
+          "the legacy Megatron actor normalises each micro-batch's loss by its own token count: "
+          "the update depends on the micro-batch cut and the row order, pg_loss is a mean of "
+          "micro-batch means, 0/0 for a micro-batch without a valid token", before="0.8.0")
+      for check in _PER_MICRO_BATCH),
+    *(Red("verl", f"{check}@fsdp", f"{_VERL}/issues/5625",
+          "the legacy FSDP actor normalises each micro-batch's loss (and entropy) by its own "
+          "token count and scales it by 1 / gradient_accumulation (0/0 for a micro-batch "
+          "without a valid token); it logs pg_loss summed over mini-batches and epochs "
+          "(PR #5766)", before="0.8.0")
+      for check in _PER_MICRO_BATCH),
+    Red("verl", "engine-parity@megatron", f"{_VERL}/pull/5766",
+        "the legacy FSDP actor sums actor/pg_loss over mini-batches and epochs, the Megatron one "
+        "averages it over micro-batches", before="0.8.0"),
     Red("skyrl", "kl_penalty:parity", f"{_SKYRL}/pull/1353",
         "compute_approx_kl runs under torch.no_grad although the worker uses it as the KL "
         "loss: the loss has no gradient (SkyRL issue 1340)", before="0.2.0"),

@@ -30,9 +30,11 @@ trainer hands the function (float32, verl's mask dtypes, a ``DataProto`` with st
   DP ranks run as threads over a stand-in for ``torch.distributed``
   (``verl_threads.ThreadGroup``) so verl's own collective logic runs unchanged in one process.
 
-- ``train_step`` / ``replay``: verl's own training step on the release's engine (verl_step.py:
-  the FSDP engine worker on 0.9+, verl_train.py; the legacy Megatron actor on 0.7,
-  verl_megatron.py), every variant of a scenario in one group of ranks; ``supports`` says what it cannot map.
+- ``train_step``: verl's own training step, one column per engine (``engines``, verl_step.py):
+  ``verl-fsdp-<version>`` (the FSDP engine worker on 0.9+, verl_train.py; the legacy
+  ``DataParallelPPOActor`` on 0.7, verl_dp_actor.py) and ``verl-megatron-<version>`` (the legacy
+  ``MegatronPPOActor`` on 0.7, verl_megatron.py; unsupported on 0.9+, verl_mcore.py), every
+  variant of a scenario in one group of ranks; ``supports`` says what it cannot map.
 
 docs/peers.md lists per version what is covered, the declared differences and what is n/a.
 """
@@ -54,7 +56,7 @@ from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference, source_line
 from rlaudit.targets.peers import verl_compat
 from rlaudit.targets.peers.registry import import_advice
-from rlaudit.targets.peers import verl_step, verl_train
+from rlaudit.targets.peers import verl_step
 from rlaudit.targets.peers.verl_layout import verl_tensors
 from rlaudit.targets.peers.verl_threads import ThreadGroup
 
@@ -129,14 +131,21 @@ class VerlAdapter(TargetAdapter):
         #: verl < 0.8 trains with the legacy FSDP worker's DataParallelPPOActor by default
         #: (``trainer.use_legacy_worker_impl: auto``); 0.8+ has only the engine workers
         self.legacy_actor = importlib.util.find_spec("verl.workers.actor") is not None
-        #: the engine train_step drives (verl_step.engine_of): fsdp (0.9+), megatron (0.7)
-        self.engine = verl_step.engine_of()
-        if self.engine == "fsdp":
+        #: verl's engines, each its own column of train_step (verl_step.VerlEngine): the FSDP
+        #: one first, the Megatron one compared with it (rlaudit/targets/run/engines.py)
+        impls = verl_step.engines_of()
+        self.engines = tuple(verl_step.VerlEngine(self, e, impls[e])
+                             for e in ("fsdp", "megatron") if e in impls)
+        if impls.get("fsdp") == "engine":
             self.differences += verl_step.train_differences(self.version)
-        elif self.engine == "megatron":
+        elif "legacy" in impls.values():
             # metric_reduction stays the stage functions' (pg_loss a contribution under global
-            # counts): the legacy actor passes none, the bug of verl #5863 (docs/peers.md)
+            # counts): the legacy actors pass none, the bug of verl #5863 (docs/peers.md); the
+            # FSDP one logs actor/entropy as each micro-batch's local mean, averaged
+            # (dp_actor.py:643; the Megatron one logs none, verl #6016)
             self.metric_names = verl_step.MEGATRON_METRICS
+            self.metric_reduction = {**self.metric_reduction, "actor/entropy": "microbatch-mean"}
+            self.differences += verl_step.legacy_differences(self.version)
         self.peer = str(Path(verl.__file__).parent.parent)
 
     # ---- conversions -----------------------------------------------------------------------
@@ -267,21 +276,16 @@ class VerlAdapter(TargetAdapter):
         return verl_compat.value_loss(self.core, **kw)
     # ---- the whole training step --------------------------------------------------------------
     def supports(self, config):
-        return verl_step.supports(config, engine=self.engine)
+        if not self.engines:
+            return verl_step.supports(config, engine=None)
+        return self.engines[0].supports(config)
 
     def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
                    device="cpu"):
-        """verl's step on :attr:`engine` (verl_step), ``steps`` times on ``batch``;
-        ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
-        why = verl_train.rows_unsupported(config, len(batch), self.dp)
-        if why:
-            raise NotImplementedError(why)
-        (result,) = verl_step.run_jobs(self, model_path, [(batch, config, steps)], device)
-        return verl_step.output(result, batch)
-
-    def replay(self, request):
-        """Every supported variant of a scenario in one group of ranks (verl_step.replay)."""
-        return verl_step.replay(self, request)
+        """verl's step on its first engine (:attr:`engines`: FSDP when the release has it);
+        ``--target verl`` runs every engine, each its own column."""
+        return self.engines[0].train_step(model_path=model_path, batch=batch, config=config,
+                                          steps=steps, device=device)
 
     # ---- micro-batching ----------------------------------------------------------------------
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,

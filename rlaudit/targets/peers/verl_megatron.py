@@ -153,7 +153,7 @@ def train_job(model_path: str, job: dict, *, device: str = "cpu") -> dict:
     from verl.workers.actor.megatron_actor import MegatronPPOActor  # lazy: as above
 
     from rlaudit.backends.megatron.convert import gather_hf_state_dict  # lazy: megatron-core
-    cfg = _verl_config(job["overrides"])
+    cfg = verl_config(job["overrides"], DEFAULT_CONFIG)
     gpt, ddp, optimizer, hf_config = build_actor(model_path, job["optim"], device=device)
     actor = MegatronPPOActor(config=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor),
                              model_config=hf_config, hf_config=hf_config, tf_config=gpt.config,
@@ -278,11 +278,13 @@ def build_actor(model_path: str, optim: dict, *, device: str = "cpu"):
     return gpt, ddp, optimizer, hf_config
 
 
-def _verl_config(values: dict[str, Any]):
+def verl_config(values: dict[str, Any], defaults: str):
+    """verl's generated trainer config ``defaults`` (a path inside the installed package) with
+    ``values`` (dotted keys) set."""
     # lazy: verl (and omegaconf, from its peer directory) only exist inside the rank
     import verl
     from omegaconf import OmegaConf  # lazy: from verl's peer directory
-    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), DEFAULT_CONFIG))
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), defaults))
     for key, value in values.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg

@@ -1,12 +1,16 @@
 """``train_step`` of ``--target verl``: verl's own training step laid out as rlaudit's
 :class:`TrainStepOutput`, what it cannot run (:func:`supports`), and the conventions of verl's
 trainer the reference must be told about (:func:`train_differences`), each linked to the line of
-verl at the release tag. The engine (:func:`engine_of`):
+verl at the release tag. Each of verl's engines is its own column (:class:`VerlEngine`,
+``verl-fsdp-<version>``, ``verl-megatron-<version>``: rlaudit/targets/run/engines.py compares
+each with the reference and the two with each other); what drives each (:func:`engines_of`):
 
-- ``fsdp``, verl >= 0.9: verl's FSDP engine worker (verl_train.py) on the CPU platform verl_cpu.py
-  plugs into verl's platform registry (``verl/plugin/platform``);
-- ``megatron``, verl 0.7 (no platform registry; its legacy workers are the default): the legacy
-  ``MegatronPPOActor`` on a real megatron-core model (verl_megatron.py).
+- ``fsdp``: verl >= 0.9, the FSDP engine worker (verl_train.py) on the CPU platform verl_cpu.py
+  plugs into verl's platform registry (``verl/plugin/platform``); verl 0.7, the legacy
+  ``DataParallelPPOActor`` (verl_dp_actor.py);
+- ``megatron``: verl 0.7, the legacy ``MegatronPPOActor`` on a real megatron-core model
+  (verl_megatron.py); verl >= 0.9, the Megatron engine, which cannot run on the CPU
+  (verl_mcore.py says which call blocks it: the column is unsupported, never red).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from rlaudit.metrics import CATALOGUE
 from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.contract.declare import Difference
 from rlaudit.targets.peers.verl_layout import to_batch_width
-from rlaudit.targets.peers import verl_megatron
+from rlaudit.targets.peers import verl_dp_actor, verl_mcore, verl_megatron
 from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
 from rlaudit.targets.run.target_backend import replayed_runs
 
@@ -60,24 +64,38 @@ def _found(module: str) -> bool:
         return False
 
 
-def engine_of() -> str | None:
-    """The engine train_step drives in the installed verl (module docstring), or None."""
+def engines_of() -> dict[str, str]:
+    """verl's engines in the installed release -> which implementation drives each:
+    ``engine`` (the engine workers, verl >= 0.9) or ``legacy`` (verl 0.7's actors)."""
+    out = {}
     if _found("verl.plugin.platform"):
-        return "fsdp"
+        out["fsdp"] = "engine"
+    elif _found("verl.workers.actor.dp_actor"):
+        out["fsdp"] = "legacy"
     if _found("verl.workers.actor.megatron_actor"):
-        return "megatron"
-    return None
+        out["megatron"] = "legacy"
+    elif _found("verl.workers.engine.megatron"):
+        out["megatron"] = "engine"
+    return out
 
 
-def supports(config: Config, *, engine: str | None) -> tuple[bool, str]:
-    """Whether verl's step on ``engine`` can run ``config``, with the reason when not."""
+def supports(config: Config, *, engine: str | None, impl: str = "engine") -> tuple[bool, str]:
+    """Whether verl's step on ``engine`` (``impl``: engines_of) can run ``config``, with the
+    reason when not."""
     if engine is None:
         return False, ("this verl release has neither a platform registry (verl/plugin/platform, "
-                       "from 0.9.0) nor the legacy Megatron actor")
+                       "from 0.9.0) nor the legacy actors")
     if not _found("hydra"):
         return False, ("hydra-core is missing from the verl peer (verl/utils/config.py:48 "
                        "builds every worker config with it): re-run `make peers`")
-    why = unsupported(config) if engine == "fsdp" else verl_megatron.unsupported(config)
+    if engine == "fsdp" and impl == "engine":
+        why = unsupported(config)
+    elif engine == "fsdp":
+        why = verl_dp_actor.unsupported(config)
+    elif impl == "legacy":
+        why = verl_megatron.unsupported(config)
+    else:
+        why = []          # the release's Megatron engine: unsupported as a whole (replay)
     return not why, "; ".join(why)
 
 
@@ -114,17 +132,32 @@ def train_differences(version: str) -> tuple[Difference, ...]:
     )
 
 
-def catalogue_metrics(step: dict) -> dict:
-    """verl's metrics of one step under rlaudit's catalogue names (:data:`RENAMES`)."""
+def legacy_differences(version: str) -> tuple[Difference, ...]:
+    """How verl 0.7's legacy actors differ from rlaudit's reference by design, at run level."""
+    at = _BLOB.format(v=version.split("+")[0])
+    return (
+        Difference(
+            "kl-loss-logged-without-kl-loss",
+            reason="the legacy FSDP actor starts its metrics with actor/kl_loss = 0.0 and logs "
+                   "it whether or not use_kl_loss is on; rlaudit logs no KL loss without one",
+            link=at + "workers/actor/dp_actor.py#L554",
+            checks=("backend-parity",), cases=("only in one run ['actor/kl_loss']",)),
+    )
+
+
+def catalogue_metrics(step: dict, renames: dict = RENAMES) -> dict:
+    """verl's metrics of one step under rlaudit's catalogue names (:data:`RENAMES` for the
+    engine workers; the legacy actors log the update's entropy as ``actor/entropy`` itself,
+    dp_actor.py:643, so nothing is renamed for them)."""
     out = {}
     for name, value in step.items():
-        ours = RENAMES.get(name, name)
+        ours = renames.get(name, name)
         if ours in CATALOGUE:
             out[ours] = value
     return out
 
 
-def output(result: dict, batch: RolloutBatch) -> TrainStepOutput:
+def output(result: dict, batch: RolloutBatch, renames: dict = RENAMES) -> TrainStepOutput:
     """verl_train's rank-0 result as a TrainStepOutput: catalogue metrics per step, step 0's
     tensors (the old-log-prob pass is the initial policy's log-probs and entropy at the rollout
     temperature) as float64 ``[B, R]`` (from verl's response width, verl_layout), 0 where
@@ -136,34 +169,73 @@ def output(result: dict, batch: RolloutBatch) -> TrainStepOutput:
 
     tokens = result["tokens"]
     return TrainStepOutput(
-        metrics=[catalogue_metrics(step) for step in result["metrics"]],
+        metrics=[catalogue_metrics(step, renames) for step in result["metrics"]],
         log_probs=per_token(tokens["old_log_probs"]),
         entropy=per_token(tokens["entropys"]),
         tokens={ours: per_token(tokens[theirs]) for theirs, ours in TOKENS.items()},
         params=result["params"])
 
 
-def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
-    """Every variant of ``request`` through verl's step in one group of ranks (verl imported and
-    the ranks started once, a fresh worker per variant), each laid out as ``train_step``'s output
-    would be (:func:`~rlaudit.targets.run.target_backend.to_variant_run`). A variant whose rows
-    verl would refuse (:func:`~rlaudit.targets.peers.verl_train.rows_unsupported`: not whole
-    mini-batches) is not run: its invariants are n/a for verl ("not returned")."""
-    dp = adapter.dp if adapter.engine == "fsdp" else 1
-    variants = [v for v in request.variants if not rows_unsupported(v.config, len(v.batch), dp)]
+class VerlEngine:
+    """One of verl's engines as its own column of ``--target verl`` (module docstring): a
+    ``train_step`` / ``replay`` / ``supports`` of that engine; every other attribute (the
+    declarations) is the target's."""
+
+    def __init__(self, target, engine: str, impl: str):
+        self.target, self.engine, self.impl = target, engine, impl
+        self.name = f"verl-{engine}-{target.version}"
+        self.dp = target.dp if (engine, impl) == ("fsdp", "engine") else 1
+        self.metric_names = MEGATRON_METRICS if impl == "legacy" else TRAIN_METRICS
+        self.renames = {} if impl == "legacy" else RENAMES
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def supports(self, config):
+        return supports(config, engine=self.engine, impl=self.impl)
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        """verl's step on this engine, ``steps`` times on ``batch``; ``ref_model_path`` is
+        unused (no KL term is mapped: :meth:`supports`)."""
+        why = rows_unsupported(config, len(batch), self.dp)
+        if why:
+            raise NotImplementedError(why)
+        (result,) = run_jobs(self, model_path, [(batch, config, steps)], device)
+        return output(result, batch, self.renames)
+
+    def replay(self, request):
+        """Every supported variant of a scenario in one group of ranks (:func:`replay`)."""
+        return replay(self, request)
+
+
+def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
+    """Every variant of ``request`` through ``engine``'s step in one group of ranks (verl
+    imported and the ranks started once, a fresh worker per variant), each laid out as
+    ``train_step``'s output would be (:func:`~rlaudit.targets.run.target_backend.
+    to_variant_run`). A variant whose rows verl would refuse (:func:`~rlaudit.targets.peers.
+    verl_train.rows_unsupported`: not whole mini-batches) is not run: its invariants are n/a for
+    verl ("not returned")."""
+    if (engine.engine, engine.impl) == ("megatron", "engine"):
+        verl_mcore.blocked(engine.target.version)          # raises UnsupportedFeature
+    variants = [v for v in request.variants
+                if not rows_unsupported(v.config, len(v.batch), engine.dp)]
     if not variants:       # every variant's rows are ones verl refuses: nothing ran (n/a)
         return {}
 
     def train_all(vs):
-        results = run_jobs(adapter, request.model, [(v.batch, v.config, v.steps) for v in vs],
+        results = run_jobs(engine, request.model, [(v.batch, v.config, v.steps) for v in vs],
                            request.device)
-        return [output(r, v.batch) for r, v in zip(results, vs)]
+        return [output(r, v.batch, engine.renames) for r, v in zip(results, vs)]
 
-    return replayed_runs(request, variants, train_all, source=f"{adapter.name}.train_step")
+    return replayed_runs(request, variants, train_all, source=f"{engine.name}.train_step")
 
 
-def run_jobs(adapter, model_path, jobs: list, device: str) -> list[dict]:
-    """``(batch, config, steps)`` jobs on the adapter's engine, in one group of ranks."""
-    if adapter.engine == "megatron":
-        return verl_megatron.train_steps(model_path, jobs, peer=adapter.peer, device=device)
-    return train_steps(model_path, jobs, dp=adapter.dp, peer=adapter.peer, device=device)
+def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str) -> list[dict]:
+    """``(batch, config, steps)`` jobs on ``engine``, in one group of ranks."""
+    if engine.impl == "legacy":
+        module = verl_megatron if engine.engine == "megatron" else verl_dp_actor
+        return module.train_steps(model_path, jobs, peer=engine.peer, device=device)
+    if engine.engine == "megatron":
+        verl_mcore.blocked(engine.target.version)
+    return train_steps(model_path, jobs, dp=engine.dp, peer=engine.peer, device=device)

@@ -41,10 +41,11 @@ from rlaudit.targets.contract.declare import Declarations, read_declarations
 from rlaudit.targets.contract.load import load_adapter
 from rlaudit.targets.inputs import builtin
 from rlaudit.targets.inputs.dynamic_sampling import unfiltered_inputs
+from rlaudit.targets.run.engines import ENGINE_PARITY, engine_checks, engines_of
 from rlaudit.targets.run.found import is_stage_case, replay
 from rlaudit.targets.run.localise import localise_target
 from rlaudit.targets.run.noise import attach_noise_floor, with_noise_floor
-from rlaudit.targets.run.parity import apply_differences, check_invariant
+from rlaudit.targets.run.parity import check_invariant
 from rlaudit.targets.run.target_backend import TargetBackend
 from rlaudit.targets.stages.suite import run_stage_checks
 from rlaudit.verdict.result import NA, CheckResult, ScenarioResult
@@ -127,30 +128,33 @@ class TargetPolicy(ScenarioPolicy):
         super().__init__(timeout=ReplayRequest.timeout)
         self.adapter, self.batch, self.invariants = adapter, batch, invariants
         self.unfiltered = unfiltered
-        self.target = TargetBackend(adapter)
-        self.name = self.target.name
+        #: one column per engine the adapter names (``engines``, see engines_of), else its own
+        self.targets = [TargetBackend(e) for e in engines_of(adapter)]
+        self.target, self.name = self.targets[0], self.targets[0].name
         self.decl: Declarations | None = None
 
     def prepare(self, scn: Scenario) -> Scenario:
         self.decl = read_declarations(self.adapter)
         scn = declared_scenario(scn, self.decl)
         return dataclasses.replace(
-            scn, backends={self.name: dict(getattr(self.adapter, "layout", {}) or {}),
-                           ORACLE: {}},
+            scn, backends={**{t.name: dict(getattr(t.adapter, "layout", {}) or {})
+                              for t in self.targets}, ORACLE: {}},
             invariants=list(self.invariants or scn.invariants))
 
     def rows(self, scn: Scenario):
         return self.batch
 
     def plan(self, scn: Scenario) -> tuple[list[str], list[str]]:
-        return [self.name, ORACLE], []
+        return [t.name for t in self.targets] + [ORACLE], []
 
     def variants(self, scn: Scenario, batch) -> list:
         variants = build_variants(scn, batch)
         if (self.decl.filters_groups and self.unfiltered is not None
                 and scn.config.algorithm.filter_groups.enable):
-            self.target.inputs, skipped = unfiltered_inputs(variants, self.unfiltered)
-            self.target.skipped.update(skipped)
+            inputs, skipped = unfiltered_inputs(variants, self.unfiltered)
+            for t in self.targets:
+                t.inputs = inputs
+                t.skipped.update(skipped)
         return variants
 
     def provenance(self, scn: Scenario, batch) -> dict:
@@ -164,7 +168,8 @@ class TargetPolicy(ScenarioPolicy):
             return None
         freeze_long_lived()   # trainers collect garbage themselves: keep it off the imports
         return [(b, backend, localise.replay_request(scn, variants, b, self.timeout))
-                for b, backend in ((self.name, self.target), (ORACLE, get_backend(ORACLE)))]
+                for b, backend in ([(t.name, t) for t in self.targets]
+                                   + [(ORACLE, get_backend(ORACLE))])]
 
     def replay_all(self, jobs: list) -> list:
         done = []
@@ -175,7 +180,7 @@ class TargetPolicy(ScenarioPolicy):
                 raise
             except UnsupportedFeature as e:  # the adapter: this release runs none of them
                 for v in request.variants:
-                    self.target.skipped[v.name], self.target.unsupported[v.name] = str(e), e
+                    backend.skipped[v.name], backend.unsupported[v.name] = str(e), e
                 done.append((b, {}))
             except CheckFailed as e:  # a finding said by rlaudit itself: its message says it all
                 done.append((b, f"{type(e).__name__}: {e}"))
@@ -185,10 +190,7 @@ class TargetPolicy(ScenarioPolicy):
 
     def checks(self, scn: Scenario, ctx: CheckContext) -> list[CheckResult]:
         def checks() -> list[CheckResult]:
-            return [r for inv in scn.invariants for r in apply_differences(
-                check_invariant(inv, ctx, self.name, self.adapter, self.target.skipped,
-                                self.target.unsupported),
-                self.name, self.decl)]
+            return engine_checks(scn, ctx, self.targets, self.decl)
 
         found = checks()
         noise = self.decl.noise()
@@ -198,7 +200,12 @@ class TargetPolicy(ScenarioPolicy):
         return found
 
     def localise(self, scn: Scenario, ctx: CheckContext, res: ScenarioResult):
-        return localise_target(self.adapter, self.name, scn, ctx, res)
+        if len(self.targets) == 1:
+            return localise_target(self.adapter, self.name, scn, ctx, res)
+        # per engine, against the reference (engine-parity names both engines in its message)
+        return [e for t in self.targets for e in localise_target(
+            t.adapter, t.name, scn, ctx, dataclasses.replace(res, checks=[
+                c for c in res.checks if c.backend == t.name and c.invariant != ENGINE_PARITY]))]
 
 
 def declared_scenario(scn: Scenario, decl: Declarations) -> Scenario:

@@ -2,10 +2,13 @@
 runs it: `rlaudit run --target verl==<version>` in a subprocess (two verl versions cannot share a
 process), plus hand-worked inputs through each version (tests/targets/peers/verl_probe.py).
 
-verl 0.9.1 must pass with its documented differences declared; verl 0.7.1 must fail exactly on its
-known bugs: GSPO ignoring loss_agg_mode, the REINFORCE++ return recursion resetting at masked
-(tool-output) tokens, and the legacy actor's dynamic batching giving DP ranks different
-micro-batch counts (verl issues #6176/#6178, fixed by PR #5591 after 0.7.1).
+verl 0.9.1 must pass with its documented differences declared (its Megatron engine's column
+unsupported, never red); verl 0.7.1 must fail exactly on its known bugs: GSPO ignoring
+loss_agg_mode, the REINFORCE++ return recursion resetting at masked (tool-output) tokens, the
+legacy actor's dynamic batching giving DP ranks different micro-batch counts (verl issues
+#6176/#6178, fixed by PR #5591 after 0.7.1), and in its own training step, one column per engine,
+only the reds known_reds.py traces (#6016 on the Megatron column alone, the per-micro-batch
+normalisation of both legacy actors, their different pg_loss logging between the two).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from rlaudit.targets.peers import peers_dir
+from rlaudit.targets.peers.known_reds import traced
 
 REPO = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).with_name("verl_probe.py")
@@ -40,9 +44,10 @@ def _env() -> dict:
     return env
 
 
-def _run(version: str, tmp_path: Path) -> tuple[dict, int, dict[str, dict], str]:
-    """verl_probe.py in a subprocess: (hand-worked outputs, CLI exit code, CLI checks by name,
-    CLI stderr)."""
+def _run(version: str, tmp_path: Path) -> tuple[dict, int, dict[str, dict[str, dict]], str]:
+    """verl_probe.py in a subprocess: (hand-worked outputs, CLI exit code, CLI checks by column
+    (``verl-<version>``: the stage checks; ``verl-fsdp-<version>``, ``verl-megatron-<version>``:
+    the run-level invariants per engine) and name, CLI stderr)."""
     out = tmp_path / "probe.json"
     p = subprocess.run([sys.executable, str(PROBE), version, str(out), str(tmp_path / "report")],
                        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=_env())
@@ -53,10 +58,17 @@ def _run(version: str, tmp_path: Path) -> tuple[dict, int, dict[str, dict], str]
     except json.JSONDecodeError:
         pytest.fail(f"exit {p.returncode}, no JSON on stdout:\n{p.stdout[-2000:]}\n"
                     f"{p.stderr[-4000:]}")
-    # verl's column (the reference's column of the run-level invariants is not verl's result)
-    checks = {c["invariant"]: c for r in results for c in r["checks"]
-              if c["backend"] != "reference"}
-    return json.loads(out.read_text()), p.returncode, checks, p.stderr
+    # verl's columns (the reference's column of the run-level invariants is not verl's result)
+    columns: dict[str, dict[str, dict]] = {}
+    for r in results:
+        for c in r["checks"]:
+            if c["backend"] != "reference":
+                columns.setdefault(c["backend"], {})[c["invariant"]] = c
+    return json.loads(out.read_text()), p.returncode, columns, p.stderr
+
+
+def _failed(column: dict[str, dict]) -> set[str]:
+    return {k for k, c in column.items() if c["status"] in ("fail", "error")}
 
 
 # ---- hand-worked numbers ------------------------------------------------------------------------
@@ -71,8 +83,9 @@ K3PLUS = [math.exp(-0.5) + 0.5 - 1, 0.5]
 @pytest.mark.slow
 @_needs("0.9.1")
 def test_verl_091(tmp_path):
-    out, code, checks, stderr = _run("0.9.1", tmp_path)
+    out, code, columns, stderr = _run("0.9.1", tmp_path)
     assert out["version"] == "0.9.1"
+    checks, fsdp = columns["verl-0.9.1"], columns["verl-fsdp-0.9.1"]
     # REINFORCE++, rewards [0, 0, 1], mask [1, 0, 1], gamma 0.5: the tool token is skipped, so
     # the first action's return is 0 + 0.5 * 1
     assert out["rfpp_returns"] == pytest.approx([0.5, 1.0], abs=1e-6)
@@ -94,7 +107,7 @@ def test_verl_091(tmp_path):
     assert (out["rloo_singleton"], out["rloo_vectorized_singleton"]) == (2.0, 0.0)
 
     # rlaudit run --target verl==0.9.1: exit 0, the documented differences declared
-    bad = {k: c["message"] for k, c in checks.items() if c["status"] in ("fail", "error")}
+    bad = {(col, k): cs[k]["message"] for col, cs in columns.items() for k in _failed(cs)}
     assert code == 0 and not bad, (code, bad, stderr[-2000:])
     for name in ("compute_advantages:parity", "policy_loss:parity", "agg_loss:global-split",
                  "apply_kl_in_reward:stored-kl-unaltered", "kl_penalty:parity",
@@ -107,17 +120,24 @@ def test_verl_091(tmp_path):
     for name in ("entropy-logged-when-coeff-zero", "microbatch-invariance", "row-permutation",
                  "grad-norm-identity", "ppo-epochs-identity", "on-policy-identities",
                  "rollout-parity", "padding-appended"):
-        assert checks[name]["status"] == "pass", (name, checks[name]["message"])
+        assert fsdp[name]["status"] == "pass", (name, fsdp[name]["message"])
     # backend-parity: only the declared differences (critic/score over non-empty responses)
-    assert checks["backend-parity"]["status"] == "differs", checks["backend-parity"]["message"]
-    assert "score-metrics-skip-empty-responses" in checks["backend-parity"]["message"]
+    assert fsdp["backend-parity"]["status"] == "differs", fsdp["backend-parity"]["message"]
+    assert "score-metrics-skip-empty-responses" in fsdp["backend-parity"]["message"]
+    # verl's Megatron engine cannot run here: unsupported with the call that stops it, never red
+    mega = columns["verl-megatron-0.9.1"]
+    assert {c["status"] for c in mega.values()} <= {"unsupported", "n/a"}, mega
+    blocked = [c["message"] for c in mega.values() if c["status"] == "unsupported"]
+    assert blocked and all("workers/config/engine.py:218" in m and "mbridge" in m
+                           for m in blocked), blocked
 
 
 @pytest.mark.slow
 @_needs("0.7.1")
 def test_verl_071(tmp_path):
-    out, code, checks, stderr = _run("0.7.1", tmp_path)
+    out, code, columns, stderr = _run("0.7.1", tmp_path)
     assert out["version"] == "0.7.1"
+    checks = columns["verl-0.7.1"]
     # the running return is reset to 0 at the tool token: the first action gets 0 + 0.5 * 0
     assert out["rfpp_returns"] == pytest.approx([0.0, 1.0], abs=1e-6)
     assert out["grpo_adv_row0"] == pytest.approx(GRPO_UNMASKED, rel=1e-5)
@@ -142,7 +162,13 @@ def test_verl_071(tmp_path):
                             "make_microbatches:within-token-budget",
                             "value_loss:global-split"}, \
         {k: checks[k]["message"] for k in failed}
-    _check_071_megatron_step(checks, failed - stage_failed)
+    assert not failed - stage_failed, {k: checks[k]["message"] for k in failed - stage_failed}
+    _check_071_megatron_step(columns["verl-megatron-0.7.1"])
+    _check_071_fsdp_step(columns["verl-fsdp-0.7.1"])
+    # every red of verl's own training step is a known upstream bug (known_reds.py)
+    for engine in ("fsdp", "megatron"):
+        for name in _failed(columns[f"verl-{engine}-0.7.1"]):
+            assert traced("verl", "0.7.1", f"{name}@{engine}"), (engine, name)
     problems = {k: checks[k]["details"]["problems"] for k in stage_failed}
     # only REINFORCE++ (not its -baseline) differs among the estimators ...
     assert all(p.startswith("reinforce_plus_plus gamma=") for p in
@@ -164,8 +190,9 @@ def test_verl_071(tmp_path):
                for p in problems["value_loss:global-split"])
 
 
-def _check_071_megatron_step(checks: dict, run_failed: set) -> None:
+def _check_071_megatron_step(checks: dict) -> None:
     """train_step on 0.7.1's legacy Megatron actor (rlaudit/targets/peers/verl_megatron.py)."""
+    run_failed = _failed(checks)
     entropy = checks["entropy-logged-when-coeff-zero"]
     if entropy["status"] == "n/a":       # a peer installed before hydra-core was pinned for it
         assert "hydra-core" in entropy["message"] and not run_failed, entropy["message"]
@@ -178,11 +205,35 @@ def _check_071_megatron_step(checks: dict, run_failed: set) -> None:
     # logs pg_loss 0/0
     assert run_failed <= {"entropy-logged-when-coeff-zero", "backend-parity",
                           "microbatch-invariance", "row-permutation", "sanity-bounds",
-                          "on-policy-identities"}, {k: checks[k]["message"] for k in run_failed}
+                          "on-policy-identities", "engine-parity"}, \
+        {k: checks[k]["message"] for k in run_failed}
     if "on-policy-identities" in run_failed:
         assert "pg_loss" in checks["on-policy-identities"]["message"]
     # ... and nothing else: with one micro-batch per mini-batch it agrees with the reference
     parity = [f["message"] for f in checks["backend-parity"]["details"].get("failures", [])]
     assert parity and not [m for m in parity if m.startswith("variant microbatch:all:")], parity
     for name in ("masked-values", "padding-appended", "rollout-parity", "grad-norm-identity"):
+        assert checks[name]["status"] == "pass", (name, checks[name]["message"])
+    # the two legacy actors against each other (engine-parity): the same update (both normalise
+    # per micro-batch), but the FSDP actor sums pg_loss over mini-batches and epochs (verl PR
+    # #5766) where the Megatron one averages it: pg_loss is all that differs
+    engine = [f["message"] for f in checks["engine-parity"]["details"].get("failures", [])]
+    assert checks["engine-parity"]["status"] == "fail" and engine, checks["engine-parity"]
+    assert all("actor/pg_loss" in m for m in engine), engine
+
+
+def _check_071_fsdp_step(checks: dict) -> None:
+    """train_step on 0.7.1's legacy FSDP actor (rlaudit/targets/peers/verl_dp_actor.py): it
+    honours calculate_entropy (dp_actor.py:580), so the founding bug is red on Megatron only;
+    it shares the per-micro-batch normalisation (verl issue #5625)."""
+    entropy = checks["entropy-logged-when-coeff-zero"]
+    if entropy["status"] == "n/a":       # a peer installed before hydra-core was pinned for it
+        assert "hydra-core" in entropy["message"], entropy["message"]
+        return
+    assert entropy["status"] == "pass", entropy["message"]
+    assert _failed(checks) <= {"backend-parity", "microbatch-invariance", "row-permutation",
+                               "sanity-bounds", "on-policy-identities"}, \
+        {k: checks[k]["message"] for k in _failed(checks)}
+    for name in ("masked-values", "padding-appended", "rollout-parity", "grad-norm-identity",
+                 "ppo-epochs-identity"):
         assert checks[name]["status"] == "pass", (name, checks[name]["message"])
