@@ -27,11 +27,11 @@ except (InputError, ImportError) as e:  # pragma: no cover - depends on the mach
 
 from rlaudit.targets.fuzz.coverage import coverage  # noqa: E402
 from rlaudit.targets.peers import verl_knobs  # noqa: E402
-from rlaudit.targets.peers.verl_step import engine_of  # noqa: E402
+from rlaudit.targets.peers.verl_step import engines_of  # noqa: E402
 from rlaudit.targets.peers.verl_train import DEFAULT_CONFIG  # noqa: E402
 from peer_cli import REPO  # noqa: E402
 
-if engine_of() != "fsdp":  # pragma: no cover - depends on the machine
+if engines_of().get("fsdp") != "engine":  # pragma: no cover - depends on the machine
     pytest.skip("the installed verl's train_step is not the FSDP engine's (verl 0.9+): the "
                 "table is of verl_train.verl_overrides", allow_module_level=True)
 
