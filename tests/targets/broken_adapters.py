@@ -639,3 +639,11 @@ class BudgetWithoutPrompt(ReferenceAdapter):
                     for s in shards]
         target = max(len(m) for m in per_rank) + extra_padding
         return [pad_microbatch_list(m, target, s) for m, s in zip(per_rank, shards)]
+
+
+class _NoOverlongPenalty(toy.ToyTrainer):
+    def overlong_penalty(self, data):        # DAPO's overlong penalty never applied
+        return torch.zeros(data["responses"].shape[0], dtype=torch.float64)
+
+
+NoOverlongPenalty = toy_with(_NoOverlongPenalty, "no-overlong-penalty")
