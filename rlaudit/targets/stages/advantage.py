@@ -194,7 +194,7 @@ def kl_reward_parity(env: StageEnv) -> CheckResult:
 def kl_penalty_parity(env: StageEnv) -> CheckResult:
     """Every KL estimator's per-token value and its gradient with respect to ``log_prob`` equal
     the reference's on valid tokens (straight-through ``k1+``/``k3+``: value of k1/k3, gradient
-    of k2)."""
+    of k2), on the fixed cases and on one past k3's value clamp (``kl_clamp_case``)."""
     t = env.tally("kl_penalty:parity")
     k3_clamp = _k3_clamp(env, t.check)
     for kind in env.names("kl_estimators", KL_ESTIMATORS):
