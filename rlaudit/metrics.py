@@ -45,6 +45,11 @@ _SPECS: list[MetricSpec] = [
                low=0, high=1, counted="signed"),
     MetricSpec("actor/pg_clipfrac_lower", "fraction of tokens hit by the dual clip (token-mean)",
                low=0, high=1, counted="signed"),
+    MetricSpec("actor/pg_clipfrac_undecided", "bookkeeping: the share of tokens (token-mean) "
+               "whose clip flag rounding decides (a ratio within CLIP_UNDECIDED_RTOL of a clip "
+               "bound, or an advantage within CLIP_UNDECIDED_ATOL of 0 outside the clip band): "
+               "a correct trainer in another precision may clip each either way",
+               low=0, high=1, golden=False),
     MetricSpec("actor/ppo_kl", "token-mean of old_log_prob - log_prob (k1, policy drift)"),
     MetricSpec("actor/entropy", "policy entropy, aggregated with actor.loss_agg_mode; logged "
                "whenever entropy is computed (calculate_entropy or entropy_coeff != 0)", low=0),
@@ -154,6 +159,16 @@ class _Catalogue(dict):
 
 
 CATALOGUE: dict[str, MetricSpec] = _Catalogue({s.name: s for s in _SPECS})
+
+#: the bookkeeping metric of tokens whose clip decision rounding may flip (rlaudit/update/actor.py)
+CLIP_UNDECIDED = "actor/pg_clipfrac_undecided"
+#: when a token's clip flag is rounding's to decide, by the float32 run-level tolerance a trainer
+#: is compared under (rlaudit.targets.contract.declare.RUN_TOLERANCES): a ratio within rtol 1e-4
+#: of a clip bound may sit on either side of it, and outside the clip band an advantage within
+#: atol 1e-5 of 0 may have either sign (a GRPO group whose mean is not representable: -1.5e-8
+#: in float64, 0 in float32), which decides whether the clipped term is the larger
+CLIP_UNDECIDED_RTOL = 1e-4
+CLIP_UNDECIDED_ATOL = 1e-5
 
 
 def spec(name: str) -> MetricSpec:

@@ -24,6 +24,7 @@ from rlaudit.algo.rollout_corr import rollout_kl_loss_mat
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.errors import InputError
+from rlaudit.metrics import CLIP_UNDECIDED, CLIP_UNDECIDED_ATOL, CLIP_UNDECIDED_RTOL
 from rlaudit.update import forward_memo
 from rlaudit.update.context import ForwardSpec, ParallelContext
 from rlaudit.update.plan import optimizer_steps, plan_micro, rank_shard
@@ -83,6 +84,9 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
                               clip_ratio_high=high, clip_ratio_c=act.clip_ratio_c,
                               gspo_gradient=act.gspo_gradient)
     loss_mat = pol.loss_mat
+    # the ratios at which a clip flag flips (the dual clip's c: vanilla only)
+    bounds = (1.0 - low, 1.0 + high) + ((act.clip_ratio_c,) if act.loss_mode == "vanilla"
+                                        else ())
     if act.rollout_correction.rollout_is is not None:
         loss_mat = loss_mat * micro["rollout_is_weights"]
     # (metric name, per-token matrix, coefficient in the loss or None) of every loss term
@@ -123,6 +127,8 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
         stats["actor/pg_clipfrac"] = tok(pol.clipped.to(logp.dtype))
         stats["actor/pg_clipfrac_lower"] = tok(pol.clipped_lower.to(logp.dtype))
         stats["actor/ppo_kl"] = tok(pol.ppo_kl_mat)
+        stats[CLIP_UNDECIDED] = tok(undecided_clips(
+            pol.ratio, micro["advantages"], mask, band=bounds[:2], bounds=bounds).to(logp.dtype))
         stats["actor/loss"] = loss
         return loss, stats
 
@@ -131,6 +137,21 @@ def actor_loss(micro: RolloutBatch, out: dict, *, cfg: Config, denom: Denominato
         _, local = reduce(stat_denom, detach=True)
         stats.update({f"{k}{LOCAL}": v for k, v in local.items()})
     return loss, stats
+
+
+def undecided_clips(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                    band: tuple[float, float], bounds: tuple[float, ...]) -> torch.Tensor:
+    """``[B, R]`` bool: valid tokens whose clip flags rounding decides -- a ``ratio`` within
+    CLIP_UNDECIDED_RTOL (relative) of one of the clip ``bounds``, or, outside the clip ``band``
+    ``(1 - low, 1 + high)`` where the sign of the advantage picks the clipped term, a nonzero
+    advantage within CLIP_UNDECIDED_ATOL of 0 (an advantage exactly 0 is 0 at any precision)."""
+    ratio, adv = ratio.detach(), advantages.detach()
+    near = torch.zeros_like(mask, dtype=torch.bool)
+    for b in bounds:
+        near |= (ratio - b).abs() <= CLIP_UNDECIDED_RTOL * b
+    outside = (ratio < band[0]) | (ratio > band[1])
+    near |= outside & (adv != 0) & (adv.abs() <= CLIP_UNDECIDED_ATOL)
+    return near & mask.bool()
 
 
 def compute_log_probs(ctx: ParallelContext, batch: RolloutBatch, cfg: Config, *,

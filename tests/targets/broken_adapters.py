@@ -639,3 +639,29 @@ class BudgetWithoutPrompt(ReferenceAdapter):
                     for s in shards]
         target = max(len(m) for m in per_rank) + extra_padding
         return [pad_microbatch_list(m, target, s) for m, s in zip(per_rank, shards)]
+
+
+class _NoOverlongPenalty(toy.ToyTrainer):
+    def overlong_penalty(self, data):        # DAPO's overlong penalty never applied
+        return torch.zeros(data["responses"].shape[0], dtype=torch.float64)
+
+
+NoOverlongPenalty = toy_with(_NoOverlongPenalty, "no-overlong-penalty")
+
+
+class K3WithoutClamps(ReferenceAdapter):
+    """k3 as ``e^d - d - 1`` of ``d = ref - logp`` with neither of its clamps (the value at 10,
+    the log-ratio at +-20): a blind audit's bug caught by backend-parity alone until a stage case
+    put log-ratios past the clamps."""
+
+    name = "k3-without-clamps"
+
+    def kl_penalty(self, *, log_prob, ref_log_prob, kind):
+        if kind in ("k3", "low_var_kl", "k3+", "low_var_kl+"):
+            d = ref_log_prob - log_prob
+            value = torch.exp(d) - d - 1
+            if kind.endswith("+"):
+                k2 = 0.5 * (log_prob - ref_log_prob).square()
+                return value.detach() + (k2 - k2.detach())
+            return value
+        return super().kl_penalty(log_prob=log_prob, ref_log_prob=ref_log_prob, kind=kind)

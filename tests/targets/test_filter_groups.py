@@ -212,41 +212,75 @@ class _PenaltyFromTrainedTokens(broken.toy.ToyTrainer):
             [full[:, :-width], data["response_mask"].to(full.dtype)], dim=1)})
 
 
+def _data_flow(res, adapter):
+    """The target's data-flow row (upstream.first_difference), the one row naming the cause."""
+    from rlaudit.targets.run.upstream import DATA_FLOW
+    (row,) = [c for c in res.checks if c.invariant == DATA_FLOW]
+    assert row.backend == adapter.name and row.status == FAIL, row
+    return row.message
+
+
 @pytest.mark.slow
 def test_a_self_filtering_trainer_keeping_other_groups_is_a_finding_not_bad_input():
     """A toy trainer whose own DAPO filter reads the raw score instead of ``seq_reward`` keeps
-    24 of the 32 rows it is handed where the reference keeps 28: its outputs cannot line up
-    with the reference's, and that is a finding of the run (exit 1: the target's ERROR with
-    what its filter kept), not a malformed adapter (an InputError, exit 2, as before). A
-    penalty taken from the count of trained tokens instead of the length is caught on the same
-    scenario too (its row 28 has a hole inside the overlong buffer)."""
-    from rlaudit.verdict.result import ERROR
+    24 of the 32 rows it is handed where the reference keeps 28: a finding of the run (exit 1),
+    not a malformed adapter (exit 2). Its reward shaping is right, so the data-flow row blames
+    the filter itself, and the variant run again on the reference's 28 rows with the filter off
+    agrees with the reference (backend-parity still reports, and passes). A penalty taken from
+    the count of trained tokens instead of the length changes which groups survive too (its row
+    28 has a hole inside the overlong buffer: no penalty, its group loses the spread the penalty
+    gave it): there the cause named is upstream, reward shaping."""
     from rlaudit.targets.run.runner import run_target
     adapter = broken.toy_with(_FiltersOnTheRawScore, "filters-on-the-raw-score")()
     (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
                         invariants=["backend-parity"])[1:]
-    (err,) = [c for c in res.checks if c.backend == adapter.name and c.status == ERROR]
-    assert "kept 24 of the 32 rows" in err.message and "keeps 28" in err.message, err.message
-    assert "Traceback" not in res.errors[adapter.name]
+    msg = _data_flow(res, adapter)
+    assert "kept 24 of the 32 rows" in msg and "keeps 28" in msg, msg
+    assert "filter_groups keeps different rows" in msg and "the filter itself" in msg, msg
+    assert "upstream:" not in msg and not res.errors and not res.passed
+    (parity,) = [c for c in res.checks if c.invariant == "backend-parity"]
+    assert parity.backend == adapter.name and parity.status == PASS, parity.message
     adapter = broken.toy_with(_PenaltyFromTrainedTokens, "penalty-from-trained-tokens")()
     (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
                         invariants=["reward-shaping"])[1:]
-    # its row 28 (12 tokens, 9 trained) then gets no penalty: its group loses the spread the
-    # penalty gave it, and the filter drops it
-    bad = [c for c in res.checks if c.backend == adapter.name and c.status in (FAIL, ERROR)]
-    assert bad and not res.passed
-    assert any("kept 24 of the 32 rows" in c.message or "token_level_scores" in c.message
-               for c in bad), [c.message for c in bad]
+    msg = _data_flow(res, adapter)
+    assert msg.startswith("variant base: upstream: reward-shaping differs (token_level_scores"), msg
+    assert "filter_groups keeps different rows as a consequence" in msg, msg
+    shaping = {c.backend: c for c in res.checks if c.invariant == "reward-shaping"}
+    assert shaping[adapter.name].status == FAIL and shaping["reference"].status == PASS
+
+
+@pytest.mark.slow
+def test_a_missing_overlong_penalty_is_named_upstream_and_reward_checks_still_run():
+    """A self-filtering toy without DAPO's overlong penalty: on dapo_filter_overlong the penalty
+    is what gives one group its spread on ``seq_reward``, so its filter keeps 24 of the 32 rows
+    where the reference keeps 28. The data-flow row names the first stage that differs --
+    reward shaping, upstream of the filter -- and the filter as a consequence; reward-shaping
+    itself still reports, on the reference's rows: the scores and the logged penalty mean (0.0
+    where the reference's is negative) are wrong; the reference passes it."""
+    from rlaudit.targets.run.runner import run_target
+    adapter = broken.NoOverlongPenalty()
+    (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
+                        invariants=["reward-shaping"])[1:]
+    msg = _data_flow(res, adapter)
+    assert msg.startswith("variant base: upstream: reward-shaping differs"), msg
+    assert "filter_groups keeps different rows as a consequence" in msg, msg
+    assert "kept 24 of the 32 rows" in msg and "keeps 28" in msg, msg
+    assert not res.errors
+    shaping = {c.backend: c for c in res.checks if c.invariant == "reward-shaping"}
+    assert shaping[adapter.name].status == FAIL, shaping[adapter.name].message
+    assert "train/overlong_penalty_mean = 0.0" in shaping[adapter.name].message
+    assert shaping["reference"].status == PASS, shaping["reference"].message
 
 
 @pytest.mark.slow
 def test_a_filter_adding_the_penalty_to_the_raw_score_is_caught_by_filter_metric():
-    """A blind audit (2026-11-27): a self-filtering trainer adding the overlong penalty to the
-    metric ``score`` too passed --all, as the only shipped filtering scenario filters on
+    """A blind audit's bug: a self-filtering trainer adding the overlong penalty to the metric
+    ``score`` too passed --all, as the only shipped filtering scenario filters on
     ``seq_reward``, where the two agree. filter-metric's one-step run on the raw score hands it
     32 rows of which the reference keeps 24 (group 7's scores are all equal; only the penalty
-    gives it spread); the base run alone does not see it."""
-    from rlaudit.verdict.result import ERROR
+    gives it spread); the base run alone does not see it. Its reward shaping is right: the
+    data-flow row blames the filter."""
     from rlaudit.targets.run.runner import run_target
     adapter = broken.PenaltyInEveryFilterMetric()
     (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
@@ -254,7 +288,7 @@ def test_a_filter_adding_the_penalty_to_the_raw_score_is_caught_by_filter_metric
     assert res.passed, [(c.invariant, c.backend, c.message) for c in res.checks]
     (res,) = run_target(adapter, scenario_names=["dapo_filter_overlong"], stages=[],
                         invariants=["filter-metric"])[1:]
-    (err,) = [c for c in res.checks if c.backend == adapter.name and c.status == ERROR]
-    assert "metric 'score'" in err.message, err.message
-    assert "kept 28 of the 32 rows" in err.message and "keeps 24" in err.message, err.message
+    msg = _data_flow(res, adapter)
+    assert "metric 'score'" in msg and "the filter itself" in msg, msg
+    assert "kept 28 of the 32 rows" in msg and "keeps 24" in msg, msg
     assert not res.passed

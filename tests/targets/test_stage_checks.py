@@ -174,7 +174,8 @@ def test_declared_names_restrict_and_unknown_names_are_input_errors():
         kl_estimators = ("low_var_kl",)     # an alias of k3 is accepted
 
     c = statuses(Declared(), ["kl_penalty"])["kl_penalty:parity"]
-    assert c.status == PASS and c.message.startswith("8 ")   # 4 cases x (value, gradient)
+    # (4 cases and the KL-clamp case) x (value, gradient)
+    assert c.status == PASS and c.message.startswith("10 ")
 
     class Typo(ReferenceAdapter):
         name = "typo"

@@ -75,10 +75,11 @@ METRIC_REDUCTIONS = ("contribution", "microbatch-mean")
 @dataclass(frozen=True)
 class Convention:
     """A semantic choice rlaudit's reference can compute either way: ``config`` is the dotted
-    config key the reference reads it from (run level), ``values`` the allowed values (a tuple,
-    or a type: ``float``); stage checks pass it to the reference function as ``kwarg``."""
+    config key the reference reads it from (run level; None: stage checks only), ``values`` the
+    allowed values (a tuple, or a type: ``float``); stage checks pass it to the reference
+    function as ``kwarg``."""
 
-    config: str
+    config: str | None
     values: tuple | type
     doc: str
 
@@ -120,6 +121,11 @@ CONVENTIONS: dict[str, Convention] = {
         "actor.gspo_gradient", ("per-token", "sequence"),
         "GSPO's ratio is differentiated per token (GSPO-token: verl, rlaudit) or through the "
         "sequence mean (GSPO's sequence-level objective: slime, TRL); same values"),
+    "token_budget": Convention(
+        None, ("prompt+response", "response"),
+        "a micro-batch token budget counts each row's prompt and response tokens (verl's "
+        "ppo_max_token_len_per_gpu, SkyRL, rlaudit) or its response tokens only; stage level "
+        "(make_microbatches:within-token-budget)"),
 }
 
 
@@ -193,7 +199,8 @@ class Declarations:
         out: dict[str, Any] = {}
         for d in self.differences:
             for k, v in (d.convention or {}).items():
-                out[CONVENTIONS[k].config] = v
+                if CONVENTIONS[k].config is not None:
+                    out[CONVENTIONS[k].config] = v
         if self.metric_reduction != "contribution" or self.metric_reduction_except:
             out["trainer.metric_reduction"] = self.metric_reduction
             out["trainer.metric_reduction_except"] = list(self.metric_reduction_except)

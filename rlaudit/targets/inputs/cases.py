@@ -28,6 +28,13 @@ GARBAGE_SCALE = 50.0
 #: bound 3 for negative advantages)
 LOG_RATIOS = (-1.2, -0.3, -0.1, 0.05, 0.2, 0.22, 0.24, 0.3, 1.5)
 
+#: log-ratios ``ref_log_prob - log_prob`` past k3's value clamp at 10: k3 = e^d - d - 1 is 16.09
+#: at d = 3 and 49.6 at d = 4 (the clamp acts from d ~ 2.9; below 0 only from d ~ -11), 2.05 and
+#: 1.14 at -3 and -2. k1, k2 and abs stay within 8 in magnitude: inside the +-10 value clamp some
+#: trainers put on every estimator (declared differences there), and inside k3's +-20
+#: log-ratio guard against overflow, which no trainer reaches in practice
+KL_CLAMP_LOG_RATIOS = (-3.0, -2.0, 3.0, 4.0)
+
 #: per-token float fields of a case (all [B, R], float64)
 FLOAT_FIELDS = ("token_level_rewards", "token_level_scores", "values", "old_log_probs",
                 "log_probs", "ref_log_probs", "advantages")
@@ -137,6 +144,20 @@ def default_cases() -> list[Case]:
                equal_scores=True, seed=3),
         _build("one-row", [1], [42], lengths=[3], width=4, seed=4),
     ]
+
+
+def kl_clamp_case() -> Case:
+    """kl_penalty's case past the KL clamps: two rows of width 4, the first holding every
+    :data:`KL_CLAMP_LOG_RATIOS`, the second 4, -0.5, 0.5 (and -3 under its masked last
+    position); ``log_prob = -0.5 - max(d, 0)``, ``ref = log_prob + d`` (both <= -0.5).
+    The other fields are those of an ordinary case."""
+    case = _build("kl-clamp", [2], [5], lengths=[4, 3], width=4, seed=5)
+    d = torch.tensor([list(KL_CLAMP_LOG_RATIOS), [4.0, -0.5, 0.5, -3.0]], dtype=torch.float64)
+    logp = -0.5 - d.clamp(min=0.0)
+    zero = torch.zeros((), dtype=torch.float64)
+    return replace(case, tensors={**case.tensors,
+                                  "log_probs": torch.where(case.mask, logp, zero),
+                                  "ref_log_probs": torch.where(case.mask, logp + d, zero)})
 
 
 def with_garbage(case: Case, *, seed: int = 99, keep: tuple[str, ...] = ()) -> Case:

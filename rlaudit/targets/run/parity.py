@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import traceback
 
-from rlaudit.metrics import golden_names
+from rlaudit.metrics import CLIP_UNDECIDED, golden_names
 from rlaudit.scenarios.invariants import INVARIANTS, CheckContext
 from rlaudit.scenarios.invariants.metamorphic import cut_invariant_metrics
 from rlaudit.scenarios.invariants.parity import ORACLE
@@ -146,13 +146,15 @@ def metric_universe(runs: dict, adapter: object) -> set[str]:
 
 def narrowed_reference(ref_runs: dict, target_runs: dict, universe: set[str]) -> dict:
     """The reference's runs restricted to the target's reported data: per variant, the per-token
-    tensors and parameters the target returned; metrics named in ``universe``."""
+    tensors and parameters the target returned; metrics named in ``universe``, and the
+    bookkeeping the clip fractions' tolerance reads (CLIP_UNDECIDED: never compared itself)."""
     out = {}
     for v, run in ref_runs.items():
         t = target_runs.get(v)
         keep = set(t.tokens) if t is not None else set()
         out[v] = dataclasses.replace(
             run, tokens={k: x for k, x in run.tokens.items() if k in keep},
-            steps=[{k: x for k, x in s.items() if k in universe} for s in run.steps],
+            steps=[{k: x for k, x in s.items() if k in universe or k == CLIP_UNDECIDED}
+                   for s in run.steps],
             params=run.params if t is not None and t.params else [])
     return out

@@ -47,6 +47,7 @@ from rlaudit.targets.run.localise import localise_target
 from rlaudit.targets.run.noise import attach_noise_floor, with_noise_floor
 from rlaudit.targets.run.parity import check_invariant
 from rlaudit.targets.run.target_backend import TargetBackend
+from rlaudit.targets.run.upstream import first_difference
 from rlaudit.targets.stages.suite import run_stage_checks
 from rlaudit.verdict.result import NA, CheckResult, ScenarioResult
 from rlaudit.verdict.unsupported import UnsupportedFeature
@@ -197,7 +198,8 @@ class TargetPolicy(ScenarioPolicy):
         if noise and ORACLE in ctx.runs:
             found = with_noise_floor(found, checks, lambda draw: attach_noise_floor(
                 ctx.runs, scn, ctx.variants, noise, draw=draw))
-        return found
+        # after the noise floor: a filter keeping other rows is no rounding (no floor for it)
+        return found + first_difference(ctx, self.name, self.target.diverged)
 
     def localise(self, scn: Scenario, ctx: CheckContext, res: ScenarioResult):
         if len(self.targets) == 1:

@@ -11,7 +11,10 @@ An adapter with a ``replay(request)`` method (rlaudit's own backends, see contra
 is handed the whole request instead. Variants whose config the adapter does not ``supports`` are
 skipped and recorded in :attr:`TargetBackend.skipped`; a variant whose ``train_step`` raised
 :class:`~rlaudit.verdict.unsupported.UnsupportedFeature` (the release lacks what it needs) is
-skipped too, and recorded in :attr:`TargetBackend.unsupported` as well.
+skipped too, and recorded in :attr:`TargetBackend.unsupported` as well. A self-filtering
+target whose own group filter keeps other rows than the reference's is recorded in
+:attr:`TargetBackend.diverged` and run again on the reference's rows with the filter off
+(rlaudit/targets/run/upstream.py names the first stage that differs).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from rlaudit.backends.base import ReplayRequest, Variant, VariantRun
 from rlaudit.backends.replay import RECORDED_FIELDS
 from rlaudit.config import Config
 from rlaudit.data.batch import KNOWN_FIELDS, RolloutBatch
-from rlaudit.errors import CheckFailed, InputError
+from rlaudit.errors import InputError
 from rlaudit.heap import freeze_long_lived
 from rlaudit.targets.contract.adapter import (TrainStepOutput, adapter_name, metric_floats,
                                               supports)
 from rlaudit.targets.contract.guard import batch_state, unchanged_since
+from rlaudit.targets.run.upstream import RowsKept, filter_off
 from rlaudit.update.plan import describe_micro
 from rlaudit.verdict.unsupported import UnsupportedFeature
 from rlaudit.backends.reference import DTYPES
@@ -126,24 +130,14 @@ def to_variant_run(variant: Variant, out: TrainStepOutput, *, source: str,
     return run
 
 
-def _same_rows_kept(out: Any, *, handed: int, want: int, config: Config, source: str) -> None:
-    """A self-filtering target (``filters_groups``) handed ``handed`` rows must keep the ``want``
-    rows of the groups the reference keeps. Per-token outputs over another row count are its
-    group filter deciding otherwise -- a filter on another metric, or one that keeps or drops
-    the wrong groups --: a finding (:class:`CheckFailed`, exit 1), not malformed output."""
+def _rows_kept(out: Any) -> int | None:
+    """The row count of ``out``'s per-token tensors (what a self-filtering target's own group
+    filter kept), or None when it returned none or inconsistent ones (to_variant_run says so)."""
     rows = {int(t.shape[0]) for t in (getattr(out, "log_probs", None),
                                       getattr(out, "entropy", None),
                                       *(getattr(out, "tokens", None) or {}).values())
             if isinstance(t, torch.Tensor) and t.dim() == 2}
-    if len(rows) != 1 or rows == {want}:
-        return              # nothing per-token, or inconsistent shapes: to_variant_run says so
-    (got,) = rows
-    fg = config.algorithm.filter_groups
-    raise CheckFailed(
-        f"{source}: its DAPO group filter (algorithm.filter_groups, metric {fg.metric!r}) kept "
-        f"{got} of the {handed} rows it was handed, where the reference keeps {want} (every "
-        f"row of a group whose {fg.metric} has spread); a filter on another metric, or one that "
-        f"keeps or drops the wrong groups")
+    return rows.pop() if len(rows) == 1 else None
 
 
 def _seq(x: Any, source: str) -> list:
@@ -168,6 +162,9 @@ class TargetBackend:
         #: unfiltered rows for a self-filtering target: rlaudit/targets/inputs/dynamic_sampling.py);
         #: outputs are still laid out and checked against the variant's batch
         self.inputs: dict[str, RolloutBatch] = {}
+        #: per variant name, where the target's own group filter kept other rows than the
+        #: reference's (its run is then the one on the reference's rows, the filter off)
+        self.diverged: dict[str, RowsKept] = {}
 
     def available(self) -> tuple[bool, str]:
         fn = getattr(self.adapter, "available", None)
@@ -195,28 +192,54 @@ class TargetBackend:
         runs = {}
         for v in todo:
             try:
-                runs[v.name] = self._run(request, v)
+                run = self._run(request, v)
             except UnsupportedFeature as e:   # the adapter said it: not the trainer failing
                 self.skipped[v.name], self.unsupported[v.name] = str(e), e
+                continue
+            if run is not None:
+                runs[v.name] = run
         return runs
 
-    def _run(self, request: ReplayRequest, variant: Variant) -> VariantRun:
+    def _run(self, request: ReplayRequest, variant: Variant) -> VariantRun | None:
         batch = self.inputs.get(variant.name, variant.batch)
+        out, unchanged = self._train_step(request, variant, batch, variant.config)
+        if variant.name in self.inputs:
+            kept = _rows_kept(out)
+            if kept is not None and kept != len(variant.batch):
+                # its filter kept other rows: a finding named by upstream.first_difference; the
+                # variant is run again on the reference's rows, the filter off, so that every
+                # check downstream of the filter still compares row for row
+                fg = variant.config.algorithm.filter_groups
+                self.diverged[variant.name] = RowsKept(kept, len(batch), len(variant.batch),
+                                                       fg.metric)
+                config = filter_off(variant.config)
+                ok, why = supports(self.adapter, config)
+                if not ok:
+                    self.skipped[variant.name] = (
+                        f"{self.diverged[variant.name].describe()}, and the run on the "
+                        f"reference's rows with the filter off is not supported: {why}")
+                    return None
+                batch = variant.batch
+                out, again = self._train_step(request, variant, batch, config)
+                unchanged = unchanged and again
+        run = to_variant_run(variant, out, source=f"{self.name}.train_step",
+                             model_path=request.model, dtype=request.dtype)
+        run.inputs_unchanged = unchanged
+        return run
+
+    def _train_step(self, request: ReplayRequest, variant: Variant, batch: RolloutBatch,
+                    config: Config) -> tuple[TrainStepOutput, bool]:
+        """The adapter's ``train_step`` of ``variant`` on ``batch`` under ``config``, and
+        whether it left ``batch`` unchanged."""
         before = batch_state(batch)
-        torch.manual_seed(variant.config.trainer.seed)
+        torch.manual_seed(config.trainer.seed)
         out = self.adapter.train_step(model_path=request.model, ref_model_path=request.ref_model,
-                                      batch=batch, config=variant.config,
+                                      batch=batch, config=config,
                                       steps=variant.steps, device=request.device)
         # what a trainer imports in its first step (TRL's adapter: TRL, accelerate, datasets)
         # stays off the full collections its later steps ask for (rlaudit/heap.py)
         freeze_long_lived()
-        if variant.name in self.inputs:
-            _same_rows_kept(out, handed=len(batch), want=len(variant.batch),
-                            config=variant.config, source=f"{self.name}.train_step")
-        run = to_variant_run(variant, out, source=f"{self.name}.train_step",
-                             model_path=request.model, dtype=request.dtype)
-        run.inputs_unchanged = unchanged_since(batch, before)
-        return run
+        return out, unchanged_since(batch, before)
 
 
 def replayed_runs(request: ReplayRequest, variants: list[Variant],

@@ -13,7 +13,8 @@ from rlaudit.algo.kl import DEFAULT_K3_CLAMP, KL_ESTIMATORS, kl_penalty
 from rlaudit.algo.reward import apply_kl_in_reward
 from rlaudit.targets.contract.adapter import accepts
 from rlaudit.targets.contract.guard import AdapterRaised
-from rlaudit.targets.inputs.cases import FLOAT_FIELDS, Case, fixed_permutation, with_garbage
+from rlaudit.targets.inputs.cases import (FLOAT_FIELDS, Case, fixed_permutation, kl_clamp_case,
+                                          with_garbage)
 from rlaudit.targets.stages.common import grad_of
 from rlaudit.targets.stages.registry import StageEnv, attempt, stage_check
 from rlaudit.verdict.result import CheckResult
@@ -193,11 +194,11 @@ def kl_reward_parity(env: StageEnv) -> CheckResult:
 def kl_penalty_parity(env: StageEnv) -> CheckResult:
     """Every KL estimator's per-token value and its gradient with respect to ``log_prob`` equal
     the reference's on valid tokens (straight-through ``k1+``/``k3+``: value of k1/k3, gradient
-    of k2)."""
+    of k2), on the fixed cases and on one past k3's value clamp (``kl_clamp_case``)."""
     t = env.tally("kl_penalty:parity")
     k3_clamp = _k3_clamp(env, t.check)
     for kind in env.names("kl_estimators", KL_ESTIMATORS):
-        for case in env.cases:
+        for case in [*env.cases, kl_clamp_case()]:    # the KL clamps act on the last case only
             def one(kind=kind, case=case):
                 out, given = env.call("kl_penalty", label=f"{kind} on {case.name}",
                                       log_prob=case["log_probs"].clone().requires_grad_(True),

@@ -174,6 +174,11 @@ def equal_count(env: StageEnv) -> CheckResult:
         "layouts give every rank the same count")
 
 
+#: what a row counts against a token budget, per value of the ``token_budget`` convention
+#: (rlaudit.targets.contract.declare.CONVENTIONS; the first is the reference's)
+BUDGET_COUNTS = {"prompt+response": "prompt + response", "response": "response"}
+
+
 @stage_check("make_microbatches", "within-token-budget", "metamorphic")
 def within_token_budget(env: StageEnv) -> CheckResult:
     """Under a token budget of B tokens per micro-batch, both bounds hold. Upper: every
@@ -181,15 +186,23 @@ def within_token_budget(env: StageEnv) -> CheckResult:
     ceil(T / B) micro-batches and balances rows over them can overfill one: verl before PR
     #7553, https://github.com/verl-project/verl/pull/7553, fixed in 0.9.1). Lower: a rank whose
     rows hold T tokens gets at least ceil(T / B) micro-batches (fewer, and some micro-batch holds
-    more than B: pigeonhole). T counts what the model processes for each row, prompt and response
-    tokens alike (verl's ``ppo_max_token_len_per_gpu`` sums the attention mask, SkyRL's token
-    iterator too), taken from the batch for the rows with a valid token only (a row without one
-    is not counted, so neither bound can fail on a row a trainer may leave out). A row longer
-    than B alone in its micro-batch is within its contract (no trainer splits a row), and a rank
+    more than B: pigeonhole). T counts what the budget counts under the declared ``token_budget``
+    convention: by default what the model processes for each row, prompt and response tokens
+    alike (verl's ``ppo_max_token_len_per_gpu`` sums the attention mask, SkyRL's token iterator
+    too), or the response tokens only where the target declares ``token_budget: response``;
+    taken from the batch for the rows with a valid token only (a row without one is not
+    counted, so neither bound can fail on a row a trainer may leave out). A row longer than B
+    alone in its micro-batch is within its contract (no trainer splits a row), and a rank
     holding one is left out of the lower bound (verl asserts that away); layouts by count are
     not this check's."""
+    check = "make_microbatches:within-token-budget"
+    counts = env.conventions(check).get("token_budget", "prompt+response")
+    what = BUDGET_COUNTS[counts]
+    hint = " (are the prompt tokens left out of the count?)" if counts == "prompt+response" else ""
+
     def body(t, batch, label, layout, ranks):
-        seq = batch.sequence_lengths().tolist()
+        seq = (batch.sequence_lengths() if counts == "prompt+response"
+               else batch["response_lengths"]).tolist()
         where = {row_key(batch.tensors, i): seq[i] for i in range(len(batch))}
         budget = layout.max_token_len
         for r, micros in enumerate(ranks):
@@ -199,9 +212,9 @@ def within_token_budget(env: StageEnv) -> CheckResult:
                     continue
                 t.checked += 1
                 if sum(rows) > budget:
-                    t.fail(f"{label}: rank {r} micro-batch {j} holds {sum(rows)} tokens (prompt "
-                           f"+ response of {len(rows)} rows: {rows}) over the budget of "
-                           f"{budget} per micro-batch")
+                    t.fail(f"{label}: rank {r} micro-batch {j} holds {sum(rows)} tokens ({what} "
+                           f"of {len(rows)} rows: {rows}) over the budget of {budget} per "
+                           f"micro-batch")
             held = [n for rows in per_micro for n in rows]
             if not held or max(held) > budget:
                 continue
@@ -209,17 +222,15 @@ def within_token_budget(env: StageEnv) -> CheckResult:
             need = -(-sum(held) // budget)
             if len(micros) < need:
                 t.fail(f"{label}: rank {r} has {len(micros)} micro-batch(es) for {sum(held)} "
-                       f"tokens (prompt + response) under a budget of {budget} per "
-                       f"micro-batch: at least {need} needed (are the prompt tokens left out "
-                       f"of the count?)")
-    return layouts(env, "make_microbatches:within-token-budget", body,
-                    token_budgets_only=True).result(
-        "token-budget layouts keep every micro-batch within the budget and give every rank "
-        "enough micro-batches")
+                       f"tokens ({what}) under a budget of {budget} per micro-batch: at least "
+                       f"{need} needed{hint}")
+    return layouts(env, check, body, token_budgets_only=True).result(
+        f"token-budget layouts keep every micro-batch within the budget ({what} tokens) and "
+        "give every rank enough micro-batches")
 
 
 def _held_lengths(mb: Mapping[str, torch.Tensor], where: Mapping[tuple, int]) -> list[int]:
-    """Prompt + response lengths (from the batch, ``where``: row key -> length) of the rows of
+    """Budgeted lengths (from the batch, ``where``: row key -> length) of the rows of
     ``mb`` that have a valid token; empty when ``mb`` lacks the fields that identify rows."""
     if not all(f in mb for f in _KEY_FIELDS + ("response_mask",)):
         return []
