@@ -159,7 +159,25 @@ def leave_other_peers(keep: Path) -> None:
     for name, module in list(sys.modules.items()):
         location = getattr(module, "__file__", None)
         if location and other(location):
+            forget_arrow_types(module)
             del sys.modules[name]
+
+
+def forget_arrow_types(module) -> None:
+    """Unregister the pyarrow extension types ``module`` defines. pyarrow's registry is
+    process-global and outlives the module: a peer package that registers its types at import
+    (datasets' ArrayND types, named ``<module>.<class>``) would fail with ArrowKeyError when the
+    next peer imports its own release of that package."""
+    pa = sys.modules.get("pyarrow")
+    if pa is None:
+        return
+    for value in list(vars(module).values()):
+        if (isinstance(value, type) and issubclass(value, pa.ExtensionType)
+                and value.__module__ == module.__name__):
+            try:
+                pa.unregister_extension_type(f"{value.__module__}.{value.__name__}")
+            except (KeyError, pa.ArrowKeyError):
+                pass
 
 
 def _refresh_probes() -> None:
