@@ -205,6 +205,7 @@ class ArealAdapter(TargetAdapter):
     def __init__(self):
         self.mods = import_areal()
         self.version = self.mods.version
+        self.name = f"areal-{self.version}"     # the version column, as every peer
         self.differences = _differences(self.version)
 
     # ---- advantages --------------------------------------------------------------------------

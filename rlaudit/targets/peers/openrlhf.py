@@ -101,6 +101,7 @@ class OpenRLHFAdapter(TargetAdapter):
     def __init__(self):
         self.orl = import_openrlhf()
         self.version = self.orl.version
+        self.name = f"openrlhf-{self.version}"     # the version column, as every peer
         self.kl_estimators = tuple(k for k, (_, unbiased) in KL_KINDS.items()
                                    if not unbiased or self._has_unbiased_kl())
         self.differences = differences(self.version, self.orl)
