@@ -37,8 +37,8 @@ PRE_1811 = textwrap.dedent(f"""
     import sys
     from rlaudit.targets import peers
     peers.activate("skyrl", "{VERSION}")
-    from rlaudit.targets.peers.skyrl import _import_skyrl
-    iterator = _import_skyrl().workers.TokenBasedBatchIterator
+    from rlaudit.targets.peers.skyrl import import_skyrl
+    iterator = import_skyrl().workers.TokenBasedBatchIterator
     fixed = iterator._create_padding_microbatch
 
     def pre_1811(self):
