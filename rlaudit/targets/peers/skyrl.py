@@ -217,6 +217,7 @@ class SkyRLAdapter(TargetAdapter):
     def supports(self, config):
         why = ([skyrl_compat.train_step_unsupported(self.version)]
                if skyrl_compat.train_step_unsupported(self.version) else [])
+        why += list(filter(None, [skyrl_train.missing_imports()]))
         why += skyrl_train.unsupported(config)
         return not why, "; ".join(why)
 

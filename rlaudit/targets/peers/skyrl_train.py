@@ -31,6 +31,8 @@ Only what maps is accepted (:func:`unsupported`, :func:`rows_unsupported`).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -42,6 +44,9 @@ from rlaudit.backends.launch import launch
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
+from rlaudit.targets.peers import skyrl_cpu
+from rlaudit.targets.peers.openrlhf_import import flash_attn_placeholders
+from rlaudit.targets.peers.registry import activate
 from rlaudit.targets.peers.skyrl_base import import_skyrl, shift
 from rlaudit.targets.run.target_backend import replayed_runs
 
@@ -65,6 +70,21 @@ METRICS = {
 #: the entropy the update computes (always, worker.py:1215: a masked mean over each micro-batch,
 #: then averaged): reported when the config asks for it (actor.calculate_entropy), as rlaudit
 ENTROPY = ("policy/policy_entropy", "actor/entropy")
+
+
+#: what SkyRL's worker and trainer import beyond the stage adapter's modules
+#: (requirements/peers/skyrl-0.4.0.txt says which module needs which)
+TRAINER_IMPORTS = ("peft", "accelerate", "orjson", "datasets", "torchdata")
+
+
+def missing_imports() -> str:
+    """Why SkyRL's worker cannot be imported here ("" when it can): the packages of
+    :data:`TRAINER_IMPORTS` not found (an older ``make peers`` did not install them)."""
+    gone = [m for m in TRAINER_IMPORTS if importlib.util.find_spec(m) is None]
+    if not gone:
+        return ""
+    return (f"{', '.join(gone)} missing from the SkyRL peer (its FSDP worker and trainer import "
+            f"them): re-run `make peers`")
 
 
 def unsupported(cfg: Config) -> list[str]:
@@ -210,9 +230,6 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, ver
 def train_rank(info, request: dict) -> list[dict]:
     """The rank body: SkyRL's peer directory first on ``sys.path``, its modules imported, then
     each job with the CUDA calls answered for the CPU (skyrl_cpu)."""
-    # lazy: SkyRL is an optional peer, activated inside the rank only
-    from rlaudit.targets.peers.registry import activate
-    from rlaudit.targets.peers import skyrl_cpu  # lazy: with the peer
     activate("skyrl", request["version"])
     mods = import_worker()
     with skyrl_cpu.cuda_as_cpu(mods.fsdp_utils):
@@ -220,11 +237,8 @@ def train_rank(info, request: dict) -> list[dict]:
 
 
 def import_worker() -> SimpleNamespace:
-    """SkyRL's worker, trainer and config modules (the 3.11 shims of skyrl.py first; flash-attn
+    """SkyRL's worker, trainer and config modules (skyrl_base's 3.11 shims first; flash-attn
     placeholders while the worker module imports, skyrl_cpu's docstring says why)."""
-    # lazy: SkyRL is an optional peer, imported inside the rank
-    import importlib
-    from rlaudit.targets.peers.openrlhf_import import flash_attn_placeholders  # lazy: as above
     import_skyrl(trainer=True)
     names = {"fsdp_worker": "backends.skyrl_train.workers.fsdp.fsdp_worker",
              "fsdp_utils": "backends.skyrl_train.distributed.fsdp_utils",
