@@ -75,7 +75,7 @@ class SkyRLAdapter(TargetAdapter):
     precision = "float32"
     #: train_step: SkyRL's FSDP worker in float32 (fp32 mixed precision), skyrl_train.py
     train_precision = "float32"
-    metric_names = (*skyrl_train.METRICS.values(), skyrl_train.ENTROPY[1])
+    metric_names = tuple(skyrl_train.METRICS.values())
 
     # SkyRL's worker averages clip_ratio (a local masked mean) over micro-batches; `*_loss`
     # metrics (policy_loss: the loss on pre-scaled advantages, a contribution) are summed
@@ -233,7 +233,7 @@ class SkyRLAdapter(TargetAdapter):
             raise NotImplementedError(why)
         (result,) = skyrl_train.train_steps(model_path, [(batch, config, steps)],
                                             version=self.version)
-        return skyrl_train.output(result, batch, entropy=config.actor.calculate_entropy)
+        return skyrl_train.output(result, batch)
 
     def replay(self, request):
         """Every supported variant of a scenario in one rank (skyrl_train.replay)."""

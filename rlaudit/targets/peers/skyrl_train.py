@@ -67,9 +67,10 @@ METRICS = {
     "policy/grad_norm": "actor/grad_norm",
     "policy/policy_lr": "actor/lr",
 }
-#: the entropy the update computes (always, worker.py:1215: a masked mean over each micro-batch,
-#: then averaged): reported when the config asks for it (actor.calculate_entropy), as rlaudit
-ENTROPY = ("policy/policy_entropy", "actor/entropy")
+# Not mapped: policy_entropy, the entropy the update computes (worker.py:1215-1217), is a token
+# mean over each micro-batch (masked_mean over loss_mask) whatever loss_reduction says, where
+# rlaudit's actor/entropy is aggregated with actor.loss_agg_mode (they differ under
+# seq-mean-token-mean: 2.542 vs 2.231 on the built-in rollout)
 
 
 #: what SkyRL's worker and trainer import beyond the stage adapter's modules
@@ -394,7 +395,7 @@ def full_params(module) -> dict[str, torch.Tensor]:
     return out
 
 
-def output(result: dict, batch: RolloutBatch, *, entropy: bool) -> TrainStepOutput:
+def output(result: dict, batch: RolloutBatch) -> TrainStepOutput:
     """:func:`train_job`'s result as a TrainStepOutput: catalogue metrics per step
     (:data:`METRICS`); step 0's tensors back from SkyRL's right-aligned response columns to
     rlaudit's ``[B, R]``, float64, 0 off ``response_mask`` (the old log-probs are the initial
@@ -409,10 +410,7 @@ def output(result: dict, batch: RolloutBatch, *, entropy: bool) -> TrainStepOutp
         return torch.where(mask, x.double(), 0.0)
 
     tokens = {k: back(v) for k, v in result["tokens"].items()}
-    names = dict(METRICS)
-    if entropy:
-        names[ENTROPY[0]] = ENTROPY[1]
-    metrics = [{ours: step[theirs] for theirs, ours in names.items() if theirs in step}
+    metrics = [{ours: step[theirs] for theirs, ours in METRICS.items() if theirs in step}
                for step in result["metrics"]]
     return TrainStepOutput(metrics=metrics, log_probs=tokens["old_log_probs"], tokens=tokens,
                            params=result["params"])
@@ -429,7 +427,7 @@ def replay(adapter, request: ReplayRequest) -> dict[str, VariantRun]:
     def train_all(vs):
         results = train_steps(request.model, [(v.batch, v.config, v.steps) for v in vs],
                               version=adapter.version)
-        return [output(r, v.batch, entropy=v.config.actor.calculate_entropy)
+        return [output(r, v.batch)
                 for r, v in zip(results, vs)]
 
     return replayed_runs(request, variants, train_all, source=f"{adapter.name}.train_step")
