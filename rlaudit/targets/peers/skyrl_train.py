@@ -12,9 +12,10 @@ SkyRL's ``HFModelWrapper`` and shards it with SkyRL's ``FSDPStrategy`` (FSDP2, f
 precision). The CUDA calls SkyRL makes by name answer for the CPU (skyrl_cpu.py, each listed with
 its file:line). Each step then runs what ``RayPPOTrainer.train`` runs after generation, with the
 trainer's own methods on a bare trainer (its config, a tokenizer carrying the pad id and
-:class:`LocalDispatch`, the worker dispatch of one in-process rank):
-``postprocess_generator_output``, ``convert_to_training_input``, ``fwd_logprobs_values_reward``
-(the old log-probs, per mini-batch), ``compute_advantages_and_returns`` and
+:class:`LocalDispatch`, the worker dispatch of one in-process rank; :func:`fit_step` says why
+``postprocess_generator_output`` is not among them): ``convert_to_training_input``,
+``fwd_logprobs_values_reward`` (the old log-probs, per mini-batch),
+``compute_advantages_and_returns`` and
 ``train_critic_and_policy`` (advantages scaled per mini-batch for the loss reduction, the
 worker's ``forward_backward`` -- micro-batches, the registered policy loss, gradient
 accumulation -- and ``optim_step`` per mini-batch, over ``update_epochs_per_batch``; metrics
@@ -110,6 +111,8 @@ def unsupported(cfg: Config) -> list[str]:
         f"actor.optim.eps={act.optim.eps} (SkyRL's AdamW keeps torch's {ADAMW_EPS})":
             act.optim.name == "adamw" and act.optim.eps != ADAMW_EPS,
         f"algorithm.grpo_std_eps={a.grpo_std_eps} (SkyRL's is 1e-6)": a.grpo_std_eps != 1e-6,
+        "rloo with rollout.n=1 (SkyRL gives a singleton advantage 0: rloo-singleton-zero)":
+            a.adv_estimator == "rloo" and cfg.rollout.n == 1,
         f"trainer.dtype={t.dtype!r} (this step runs SkyRL in float32)":
             t.dtype not in ("float32", "float64"),
         "actor.use_dynamic_bsz (SkyRL's token-based micro-batches are not mapped)":
