@@ -47,8 +47,12 @@ def _mesh_on_cpu(real):
     return init_device_mesh
 
 
-def _nothing(*args, **kwargs) -> None:
-    return None
+def _nothing():
+    """A fresh do-nothing function (one per stood-in name: torch.compile's rule table, built on
+    first use, refuses one object under two torch names)."""
+    def nothing(*args, **kwargs) -> None:
+        return None
+    return nothing
 
 
 def _tensor_cuda(self, *args, **kwargs):
@@ -76,7 +80,7 @@ def cuda_as_cpu(*modules: Any):
             put(mod, "init_device_mesh", _mesh_on_cpu(real_mesh))
     put(torch.cuda, "current_device", lambda: DEVICE)
     for name in ("set_device", "synchronize", "empty_cache"):
-        put(torch.cuda, name, _nothing)
+        put(torch.cuda, name, _nothing())
     put(torch.Tensor, "cuda", _tensor_cuda)
     try:
         yield

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from rlaudit.backends.base import ReplayRequest, VariantRun
-from rlaudit.backends.launch import launch
+from rlaudit.backends.launch.pool import run_ranks
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
@@ -216,7 +216,9 @@ def generator_output(batch: RolloutBatch) -> tuple[dict, list[str]]:
 def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, version: str,
                 timeout: float = 300.0) -> list[dict]:
     """``(batch, config, steps)`` jobs through SkyRL's step, one after the other in one rank
-    (SkyRL imported once; a fresh worker per job)."""
+    (a fresh worker per job). Inside :func:`~rlaudit.backends.launch.pool.warm_pools` (``rlaudit
+    run``) the rank is the warm pool ``skyrl``'s: SkyRL's imports (tens of seconds) are paid once
+    for the stage checks' and the scenarios' calls."""
     for batch, cfg, _steps in jobs:
         bad = unsupported(cfg) + list(filter(None, [rows_unsupported(cfg, batch)]))
         if bad:
@@ -227,17 +229,20 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, ver
                          "settings": skyrl_settings(cfg, model_path=str(model_path),
                                                     rows=len(batch))}
                         for batch, cfg, steps in jobs]}
-    return launch(train_rank, 1, args=(request,), timeout=timeout * len(jobs),
-                  env={"TOKENIZERS_PARALLELISM": "false", "SKYRL_LOG_FILE": ""})[0]
+    return run_ranks(train_rank, 1, pool="skyrl", args=(request,), timeout=timeout * len(jobs),
+                     env={"TOKENIZERS_PARALLELISM": "false", "SKYRL_LOG_FILE": ""})[0]
 
 
 def train_rank(info, request: dict) -> list[dict]:
-    """The rank body: SkyRL's peer directory first on ``sys.path``, its modules imported, then
-    each job with the CUDA calls answered for the CPU (skyrl_cpu)."""
+    """The rank body: SkyRL's peer directory first on ``sys.path``, its modules imported and
+    each job's config built (``SkyRLTrainConfig.__post_init__`` imports vLLM where it is
+    installed, which compiles with torch at import: before any torch entry point is stood in
+    for), then each job with the CUDA calls answered for the CPU (skyrl_cpu)."""
     activate("skyrl", request["version"])
     mods = import_worker()
+    cfgs = [skyrl_config(mods, job["settings"]) for job in request["jobs"]]
     with skyrl_cpu.cuda_as_cpu(mods.fsdp_utils):
-        return [train_job(info, job, mods) for job in request["jobs"]]
+        return [train_job(info, job, cfg, mods) for job, cfg in zip(request["jobs"], cfgs)]
 
 
 def import_worker() -> SimpleNamespace:
@@ -368,12 +373,11 @@ def fit_step(trainer, rollout) -> tuple[dict, dict]:
     return metrics, tokens
 
 
-def train_job(info, job: dict, mods) -> dict:
+def train_job(info, job: dict, cfg, mods) -> dict:
     """One job, ``job["steps"]`` times on the same rollout with one worker: per step SkyRL's
     metrics and every parameter after it (HF names); the tensors step 0 held, in SkyRL's
     right-aligned response layout."""
     del info
-    cfg = skyrl_config(mods, job["settings"])
     worker = build_worker(mods, cfg, cfg.trainer.policy.model.path)
     if job["sgd"]:
         use_sgd(worker, cfg)
