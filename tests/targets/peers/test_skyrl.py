@@ -37,7 +37,6 @@ PRE_1811_KEYS = ("sequences", "attention_mask", "action_log_probs", "base_action
 PRE_1811 = textwrap.dedent(f"""
     import sys
     from rlaudit.targets import peers
-from rlaudit.targets.peers.skyrl_train import TRAINER_IMPORTS
     peers.activate("skyrl", "{VERSION}")
     from rlaudit.targets.peers.skyrl import import_skyrl
     iterator = import_skyrl().workers.TokenBasedBatchIterator
