@@ -215,9 +215,8 @@ class SkyRLAdapter(TargetAdapter):
 
     # ---- the whole training step --------------------------------------------------------
     def supports(self, config):
-        why = ([skyrl_compat.train_step_unsupported(self.version)]
-               if skyrl_compat.train_step_unsupported(self.version) else [])
-        why += list(filter(None, [skyrl_train.missing_imports()]))
+        why = [w for w in (skyrl_compat.train_step_unsupported(self.version),
+                           skyrl_train.missing_imports()) if w]
         why += skyrl_train.unsupported(config)
         return not why, "; ".join(why)
 
