@@ -21,34 +21,28 @@ Every stage calls SkyRL's own functions; this module only converts tensors:
 SkyRL computes in float32 (its trainer's tensors are float32; ``safe_exp_delta`` exponentiates in
 float32): inputs are cast to float32 here, and ``precision = "float32"``.
 
-SkyRL 0.4.0 declares Python >= 3.12; on 3.11 two package ``__init__`` modules are skipped
-(:func:`_import_skyrl`): ``skyrl.backends`` (imports the Tinker engine, whose pydantic models need
-3.12's ``typing.TypedDict``) and ``skyrl.train.dataset`` (imports Hugging Face ``datasets``); the
-modules used here import nothing from either.
+SkyRL 0.4.0 declares Python >= 3.12; skyrl_base.py imports it on 3.11.
 
-No ``train_step``: SkyRL's policy worker cannot run on CPU (docs/peers.md, "SkyRL").
+- ``train_step`` / ``replay``: SkyRL 0.4's own FSDP policy worker and trainer steps on CPU
+  (skyrl_train.py; the CUDA calls it makes by name, file:line, in skyrl_cpu.py); ``supports``
+  names every setting it does not map, and why a release other than 0.4 is not mapped
+  (``skyrl_compat.train_step_unsupported``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import os
-import sys
-import types
 from types import SimpleNamespace
 
 import torch
 
 from rlaudit.data.batch import RolloutBatch
-from rlaudit.errors import InputError
 from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference
-from rlaudit.targets.peers import skyrl_compat
+from rlaudit.targets.peers import skyrl_compat, skyrl_train
+from rlaudit.targets.peers.skyrl_base import import_skyrl, shift
 
-#: the pinned release this adapter was written against (docs/peers.md)
-PINNED = "0.4.0"
 _SRC = "https://github.com/NovaSky-AI/SkyRL/blob/skyrl-v0.4.0"
 _PPO_UTILS = f"{_SRC}/skyrl/backends/skyrl_train/utils/ppo_utils.py"
 
@@ -62,44 +56,6 @@ LOSS_REDUCTIONS = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_
                    "seq-mean-token-sum-norm": "seq_mean_token_sum_norm"}
 
 
-# ---- importing SkyRL on Python 3.11 ----------------------------------------------------------
-
-def _skip_package_init(name: str) -> None:
-    """Register package ``name`` (its parent imported) without running its ``__init__``."""
-    if name in sys.modules:
-        return
-    parent, _, leaf = name.rpartition(".")
-    base = os.path.dirname(sys.modules[parent].__file__)
-    pkg = types.ModuleType(name)
-    pkg.__path__ = [os.path.join(base, leaf)]
-    pkg.__package__ = name
-    sys.modules[name] = pkg
-
-
-@functools.lru_cache(maxsize=None)
-def _import_skyrl() -> SimpleNamespace:
-    """SkyRL's modules this adapter calls (InputError when SkyRL is not importable)."""
-    try:
-        import skyrl  # lazy: SkyRL is optional, imported when audited
-        if sys.version_info < (3, 12):
-            _skip_package_init("skyrl.backends")
-            import skyrl.train  # lazy: SkyRL is optional, imported when audited
-            _skip_package_init("skyrl.train.dataset")
-        mods = {k: importlib.import_module(f"skyrl.{v}") for k, v in {
-            "ppo": "backends.skyrl_train.utils.ppo_utils",
-            "workers": "backends.skyrl_train.workers.worker_utils",
-            "dispatch": "backends.skyrl_train.distributed.dispatch",
-            "preprocess": "train.dataset.preprocess",
-            "config": "train.config"}.items()}
-    except ImportError as e:
-        raise InputError(f"SkyRL is not importable ({e}); install it with `make peers` "
-                         f"(requirements/peers/skyrl-{PINNED}.txt, docs/peers.md)",
-                         key="--target") from None
-    from loguru import logger  # lazy: SkyRL is optional, imported when audited
-    logger.disable("skyrl")     # its per-call warnings (e.g. "GSPO recommends sequence_mean")
-    return SimpleNamespace(version=getattr(skyrl, "__version__", "?"), **mods)
-
-
 # ---- layout ----------------------------------------------------------------------------------
 
 def _span(mask: torch.Tensor) -> torch.Tensor:
@@ -110,19 +66,6 @@ def _span(mask: torch.Tensor) -> torch.Tensor:
     return span.amax(dim=1) if mask.shape[1] else torch.zeros(len(mask), dtype=torch.int64)
 
 
-def _shift(x: torch.Tensor, lengths: torch.Tensor, *, to_right: bool) -> torch.Tensor:
-    """Rotate each row of ``x`` [B, R, ...] so its first ``lengths[i]`` entries end at the right
-    edge (``to_right``; SkyRL's layout) or back to the left. A permutation within each row, so
-    every value (masked ones too) reaches SkyRL at a position with the same mask status.
-    Differentiable (gather)."""
-    b, r = x.shape[:2]
-    offset = (r - lengths.to(torch.int64)).unsqueeze(1)
-    cols = torch.arange(r).unsqueeze(0)
-    idx = (cols - offset) % r if to_right else (cols + offset) % r
-    idx = idx.view(b, r, *([1] * (x.dim() - 2))).expand_as(x)
-    return x.gather(1, idx)
-
-
 # ---- the adapter -----------------------------------------------------------------------------
 
 class SkyRLAdapter(TargetAdapter):
@@ -130,6 +73,9 @@ class SkyRLAdapter(TargetAdapter):
 
     name = "skyrl"
     precision = "float32"
+    #: train_step: SkyRL's FSDP worker in float32 (fp32 mixed precision), skyrl_train.py
+    train_precision = "float32"
+    metric_names = tuple(skyrl_train.METRICS.values())
 
     # SkyRL's worker averages clip_ratio (a local masked mean) over micro-batches; `*_loss`
     # metrics (policy_loss: the loss on pre-scaled advantages, a contribution) are summed
@@ -178,7 +124,7 @@ class SkyRLAdapter(TargetAdapter):
 
     def __init__(self):
         # the report column names the release audited (as verl's does)
-        self.version = str(_import_skyrl().version)
+        self.version = str(import_skyrl().version)
         self.name = f"skyrl-{self.version}"
 
     # ---- advantages ----------------------------------------------------------------------
@@ -186,10 +132,10 @@ class SkyRLAdapter(TargetAdapter):
                            values=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True):
         if estimator not in ESTIMATORS:
             raise NotImplementedError(f"SkyRL has no {estimator} estimator")
-        sky = _import_skyrl()
+        sky = import_skyrl()
         name, norm = ESTIMATORS[estimator]
         span = _span(response_mask)
-        right = functools.partial(_shift, lengths=span, to_right=True)
+        right = functools.partial(shift, lengths=span, to_right=True)
         r = token_level_rewards.shape[1]
         resp_mask = (torch.arange(r).unsqueeze(0) >= (r - span).unsqueeze(1)).to(torch.int64)
         rewards = right(token_level_rewards.detach().to(torch.float32))
@@ -200,14 +146,14 @@ class SkyRLAdapter(TargetAdapter):
             config=sky.config.AlgorithmConfig(), values=vals,
             grpo_norm_by_std=bool(norm_adv_by_std_in_grpo if norm is None else norm),
             gamma=float(gamma), lambd=float(lam))
-        left = functools.partial(_shift, lengths=span, to_right=False)
+        left = functools.partial(shift, lengths=span, to_right=False)
         return left(adv), left(ret)
 
     # ---- KL ------------------------------------------------------------------------------
     def kl_penalty(self, *, log_prob, ref_log_prob, kind):
         if kind not in self.kl_estimators:
             raise NotImplementedError(f"SkyRL has no {kind} KL estimator")
-        return _import_skyrl().ppo.compute_approx_kl(
+        return import_skyrl().ppo.compute_approx_kl(
             log_prob.to(torch.float32), ref_log_prob.to(torch.float32), loss_mask=None,
             kl_estimator_type=kind)
 
@@ -220,7 +166,7 @@ class SkyRLAdapter(TargetAdapter):
         so the global-split check is n/a (docs/peers.md)."""
         if loss_mode not in LOSS_MODES or loss_agg_mode not in LOSS_REDUCTIONS:
             raise NotImplementedError(f"SkyRL has no {loss_mode}/{loss_agg_mode}")
-        sky = _import_skyrl()
+        sky = import_skyrl()
         skyrl_compat.require_advantage_scaling(sky)
         cfg = sky.config.AlgorithmConfig(
             policy_loss_type=LOSS_MODES[loss_mode], loss_reduction=LOSS_REDUCTIONS[loss_agg_mode],
@@ -247,7 +193,7 @@ class SkyRLAdapter(TargetAdapter):
         """SkyRL's DP sharding (``MeshDispatch.stage_chunks``) and micro-batch iterator per
         rank; the token-based iterator's cross-rank MAX of micro-batch counts (an all-reduce in
         SkyRL) is given the ranks' real counts in-process (:func:`_rank_collective`)."""
-        sky = _import_skyrl()
+        sky = import_skyrl()
         skyrl_compat.require_microbatch_iterator(sky)
         data = to_training_input(batch, sky)
         with _ray_put_identity(sky):
@@ -265,6 +211,34 @@ class SkyRLAdapter(TargetAdapter):
         width_p = batch["prompt_ids"].shape[1]
         width_r = batch["response_ids"].shape[1]
         return [[from_training_input(mb, width_p, width_r) for mb in it] for it in iterators]
+
+
+    # ---- the whole training step --------------------------------------------------------
+    def supports(self, config):
+        why = [w for w in (skyrl_compat.train_step_unsupported(self.version),
+                           skyrl_train.missing_imports()) if w]
+        why += skyrl_train.unsupported(config)
+        return not why, "; ".join(why)
+
+    def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
+                   device="cpu"):
+        """SkyRL's own update (skyrl_train), ``steps`` times on ``batch``, on CPU;
+        ``ref_model_path`` is unused (no KL term is mapped: :meth:`supports`)."""
+        ok, why = self.supports(config)
+        if device != "cpu" or not ok:
+            raise NotImplementedError(why or "SkyRL's train_step is mapped on CPU only")
+        why = skyrl_train.rows_unsupported(config, batch)
+        if why:
+            raise NotImplementedError(why)
+        (result,) = skyrl_train.train_steps(model_path, [(batch, config, steps)],
+                                            version=self.version)
+        return skyrl_train.output(result, batch)
+
+    def replay(self, request):
+        """Every supported variant of a scenario in one rank (skyrl_train.replay)."""
+        if skyrl_compat.train_step_unsupported(self.version):
+            return {}
+        return skyrl_train.replay(self, request)
 
 
 # ---- conversions -----------------------------------------------------------------------------
@@ -298,7 +272,7 @@ def to_training_input(batch: RolloutBatch, sky):
             x = t[ours].detach().to(torch.float32)
             x = x[:, :width] if x.shape[1] >= width else torch.nn.functional.pad(
                 x, (0, width - x.shape[1]))
-            fields[theirs] = _shift(x, lengths, to_right=True).contiguous()
+            fields[theirs] = shift(x, lengths, to_right=True).contiguous()
     data = sky.workers.TrainingInputBatch(fields)
     data.metadata = {"response_length": width}
     return data
@@ -327,7 +301,7 @@ def from_training_input(mb, width_p: int, width_r: int) -> dict[str, torch.Tenso
     out["prompt_ids"], out["response_ids"] = prompt, response
 
     def back(x):
-        x = _shift(x, r_len.clamp(max=x.shape[1]), to_right=False)
+        x = shift(x, r_len.clamp(max=x.shape[1]), to_right=False)
         return x[:, :width_r] if x.shape[1] >= width_r else torch.nn.functional.pad(
             x, (0, width_r - x.shape[1]))
 

@@ -73,5 +73,30 @@ def require_microbatch_iterator(sky) -> None:
                                          "(BatchIterator); supported from SkyRL 0.3")
 
 
+#: the releases SkyRL's train_step is mapped on: skyrl_cpu names 0.4's CUDA call sites by
+#: file:line and skyrl_train calls 0.4's trainer steps
+TRAIN_STEP_RELEASES = ("0.4.",)
+#: why an earlier release's worker or trainer is not mapped (read off each release's code)
+TRAIN_STEP_BLOCKERS = {
+    "0.1.": "its trainer right-pads responses and its worker reduces the loss inside the loss "
+            "functions (no mini-batch advantage scaling before 0.2)",
+    "0.2.": "its worker cuts micro-batches by sample count only (BatchIterator; "
+            "get_microbatch_iterator arrived in 0.3)",
+    "0.3.": "its worker calls CUDA at other lines (workers/worker.py:844,1111,1191,1349,1421,"
+            "1495) than the 0.4 sites skyrl_cpu answers, and its peer directory lacks the "
+            "trainer's imports (peft, accelerate, datasets, torchdata, orjson)",
+}
+
+
+def train_step_unsupported(version: str) -> str:
+    """Why SkyRL ``version``'s own training step is not mapped ("" when it is)."""
+    if version.startswith(TRAIN_STEP_RELEASES):
+        return ""
+    why = next((w for v, w in TRAIN_STEP_BLOCKERS.items() if version.startswith(v)),
+               "a release train_step was not written against")
+    return f"train_step is mapped on SkyRL 0.4 only; skyrl-{version}: {why}"
+
+
 __all__ = ["batch_tensors", "release", "require_advantage_scaling",
-           "require_microbatch_iterator", "right_aligned"]
+           "require_microbatch_iterator", "right_aligned",
+           "train_step_unsupported"]
