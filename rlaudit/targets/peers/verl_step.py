@@ -15,6 +15,7 @@ each with the reference and the two with each other); what drives each (:func:`e
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
@@ -25,6 +26,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.metrics import CATALOGUE
 from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.contract.declare import Difference
+from rlaudit.verdict.unsupported import UnsupportedFeature
 from rlaudit.targets.peers.verl_layout import to_batch_width
 from rlaudit.targets.peers import verl_dp_actor, verl_mcore, verl_megatron
 from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
@@ -77,6 +79,22 @@ def engines_of() -> dict[str, str]:
     elif _found("verl.workers.engine.megatron"):
         out["megatron"] = "engine"
     return out
+
+
+def release_blocker(engine: str, impl: str) -> str | None:
+    """Why the installed release's ``engine`` (``impl``: engines_of) cannot run on the CPU at
+    all, whatever the config; None when it can."""
+    if impl == "legacy" and not _found("verl.workers.config"):
+        return ("the adapter builds the legacy actors' configs as verl.workers.config's "
+                "dataclasses (from 0.6); this release has none, and its omegaconf_to_dataclass "
+                "asserts a `_target_` key those configs lack")
+    if (engine, impl) == ("fsdp", "engine") and not _found("flash_attn"):
+        attention = importlib.import_module("verl.utils.attention_utils")
+        if not hasattr(attention, "_fallback_unpad_input"):
+            return ("verl/utils/attention_utils.py imports flash_attn.bert_padding on every "
+                    "device but NPUs (L30 at v0.9.0; 0.9.1 adds pure-torch fallbacks), and "
+                    "flash-attn needs CUDA")
+    return None
 
 
 def supports(config: Config, *, engine: str | None, impl: str = "engine") -> tuple[bool, str]:
@@ -198,6 +216,7 @@ class VerlEngine:
                    device="cpu"):
         """verl's step on this engine, ``steps`` times on ``batch``; ``ref_model_path`` is
         unused (no KL term is mapped: :meth:`supports`)."""
+        self.refuse_release()
         why = rows_unsupported(config, len(batch), self.dp)
         if why:
             raise NotImplementedError(why)
@@ -206,7 +225,17 @@ class VerlEngine:
 
     def replay(self, request):
         """Every supported variant of a scenario in one group of ranks (:func:`replay`)."""
+        self.refuse_release()
         return replay(self, request)
+
+    def refuse_release(self) -> None:
+        """Raise :class:`UnsupportedFeature` when this release's engine cannot run here at all
+        (:func:`release_blocker`): the release's limit, never a red."""
+        why = release_blocker(self.engine, self.impl)
+        if why:
+            part = "actor" if self.impl == "legacy" else "engine"
+            raise UnsupportedFeature(f"train_step on its {self.engine} {part} on the CPU",
+                                     release=f"verl {self.target.version}", reason=why)
 
 
 def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
