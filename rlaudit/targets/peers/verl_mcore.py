@@ -89,8 +89,9 @@ def overrides(fsdp: dict[str, Any], optimizer: str, eps: float) -> dict[str, Any
         f"{actor}.megatron.sequence_parallel": False,
         f"{actor}.megatron.use_distributed_optimizer": False,
         f"{actor}.optim.optimizer": OPTIMIZERS[optimizer],
+        # megatron-core's SGD has momentum 0.9 by default; rlaudit's (torch's) has none
         f"{actor}.optim.override_optimizer_config": (
-            {"adam_eps": eps} if optimizer == "adamw" else {}),
+            {"adam_eps": eps} if optimizer == "adamw" else {"sgd_momentum": 0.0}),
     })
     return out
 
@@ -133,5 +134,5 @@ def train_rank(info, request: dict) -> list[dict]:
     return [verl_train.train_job(info, job, params=False) for job in request["jobs"]]
 
 
-__all__ = ["LATER", "MEGATRON_CONFIG", "OPTIMIZERS", "blocked", "config_error", "cuda", "overrides",
-           "train_rank", "train_steps"]
+__all__ = ["LATER", "MEGATRON_CONFIG", "OPTIMIZERS", "blocked", "config_error", "cuda",
+           "overrides", "train_rank", "train_steps"]

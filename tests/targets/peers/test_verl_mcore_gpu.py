@@ -70,7 +70,10 @@ def test_overrides_switch_the_engine_not_the_algorithm():
     assert got[f"{actor}.optim.optimizer"] == "adam"          # megatron-core's name
     assert got[f"{actor}.optim.override_optimizer_config"] == {"adam_eps": 1e-8}
     assert got[f"{actor}.clip_ratio"] == 0.2 and got[f"{actor}.optim.lr"] == 0.05
-    assert overrides(fsdp, "sgd", 1e-8)[f"{actor}.optim.override_optimizer_config"] == {}
+    sgd = overrides(fsdp, "sgd", 1e-8)
+    assert sgd[f"{actor}.optim.optimizer"] == "sgd"
+    # torch's SGD (rlaudit's) has no momentum; megatron-core's defaults to 0.9
+    assert sgd[f"{actor}.optim.override_optimizer_config"] == {"sgd_momentum": 0.0}
 
 
 @pytest.mark.gpu
