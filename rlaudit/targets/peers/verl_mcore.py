@@ -11,15 +11,29 @@ found by running verl's own code here:
    (mbridge/core/util.py:151), and megatron-core's DDP allocates its gradient buffers on
    ``torch.cuda.current_device()`` (param_and_grad_buffer.py:783).
 
-The full path runs in the ``gpu``-marked test (tests/targets/peers/test_verl_mcore.py).
+On CUDA the engine runs as verl runs it (:func:`train_steps`): verl_train's rank body with the
+Megatron trainer config (``strategy: megatron``, bf16, tp = pp = 1, NCCL), verl's own worker,
+``fit`` step and metric reduction; the ``gpu``-marked test (tests/targets/peers/
+test_verl_mcore_gpu.py) compares it with rlaudit's reference within bf16 tolerances.
 """
 
 from __future__ import annotations
 
+import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
+from rlaudit.backends.launch import launch
+from rlaudit.targets.peers import verl_train
+from rlaudit.targets.peers.registry import peers_dir
+from rlaudit.targets.peers.verl_layout import verl_tensors
 from rlaudit.verdict.unsupported import UnsupportedFeature
+
+#: verl's Megatron trainer defaults, inside the installed package
+MEGATRON_CONFIG = "trainer/config/_generated_ppo_megatron_trainer.yaml"
+#: rlaudit's optimizer -> megatron-core's OptimizerConfig.optimizer
+OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
 
 #: what stops the engine after its config, on a host without CUDA (module docstring)
 LATER = ("past it, mbridge moves the model with .cuda() (mbridge/core/util.py:151) and "
@@ -54,4 +68,71 @@ def blocked(version: str) -> None:
                              release=f"verl {version}", reason=f"{first}; {LATER}")
 
 
-__all__ = ["LATER", "blocked", "config_error"]
+def cuda(device) -> bool:
+    """Whether ``device`` is a CUDA one, the only kind the engine runs on (module docstring)."""
+    return str(device).startswith("cuda")
+
+
+def overrides(fsdp: dict[str, Any], optimizer: str, eps: float) -> dict[str, Any]:
+    """verl_train's overrides (the FSDP engine's) for the Megatron engine: the FSDP keys
+    dropped, ``strategy: megatron``, bf16 (all McoreEngineConfig accepts), tp = pp = 1 without
+    sequence parallelism or the distributed optimizer (one rank), and megatron-core's
+    optimizer names (``optimizer`` is rlaudit's, ``eps`` its Adam epsilon)."""
+    actor = "actor_rollout_ref.actor"
+    out = {k: v for k, v in fsdp.items()
+           if not k.startswith(f"{actor}.fsdp_config.") and k != f"{actor}.use_torch_compile"}
+    out.update({
+        f"{actor}.strategy": "megatron",
+        f"{actor}.megatron.dtype": "bfloat16",
+        f"{actor}.megatron.tensor_model_parallel_size": 1,
+        f"{actor}.megatron.pipeline_model_parallel_size": 1,
+        f"{actor}.megatron.sequence_parallel": False,
+        f"{actor}.megatron.use_distributed_optimizer": False,
+        f"{actor}.optim.optimizer": OPTIMIZERS[optimizer],
+        # megatron-core's SGD has momentum 0.9 by default; rlaudit's (torch's) has none
+        f"{actor}.optim.override_optimizer_config": (
+            {"adam_eps": eps} if optimizer == "adamw" else {"sgd_momentum": 0.0}),
+    })
+    return out
+
+
+def train_steps(model_path, jobs: list, *, peer: str | None = None, version: str = "0.9.1",
+                device: str = "cuda", backend: str | None = None,
+                timeout: float = 600.0) -> list[dict]:
+    """verl_train.train_steps on the Megatron engine (one rank; ``device`` must be a CUDA one:
+    on the CPU :func:`blocked` says why not). Parameters are not gathered (the engine holds
+    megatron-core modules, not Hugging Face ones): ``params`` is empty."""
+    if not cuda(device):
+        blocked(version)
+    for _batch, cfg, _steps in jobs:
+        bad = verl_train.unsupported(cfg)
+        if bad:
+            raise NotImplementedError(f"verl train_step does not map: {'; '.join(bad)}")
+    request = {"peer": peer or str(peers_dir() / f"verl-{version}"), "params": False,
+               "device": device,
+               "jobs": [{"steps": steps,
+                         "tensors": verl_tensors(
+                             batch, width=cfg.rollout.response_length),
+                         "overrides": overrides(
+                             verl_train.verl_overrides(cfg, model_path=str(model_path), dp=1,
+                                                       rows=len(batch), device=device),
+                             cfg.actor.optim.name, cfg.actor.optim.eps)}
+                        for batch, cfg, steps in jobs]}
+    return launch(train_rank, 1, args=(request,), env={"TOKENIZERS_PARALLELISM": "false"},
+                  timeout=timeout * len(jobs), device=device, backend=backend)[0]
+
+
+def train_rank(info, request: dict) -> list[dict]:
+    """verl_train.train_rank with verl's Megatron trainer config for the defaults."""
+    peer = request["peer"]
+    sys.path[:] = [p for p in sys.path if p == peer or Path(p).parent != Path(peer).parent]
+    if peer not in sys.path:
+        sys.path.insert(0, peer)
+    # this spawned rank builds only Megatron workers: verl_train's defaults are verl's
+    # Megatron trainer config here (the FSDP one lacks actor.megatron and McoreActorConfig)
+    verl_train.DEFAULT_CONFIG = MEGATRON_CONFIG
+    return [verl_train.train_job(info, job, params=False) for job in request["jobs"]]
+
+
+__all__ = ["LATER", "MEGATRON_CONFIG", "OPTIMIZERS", "blocked", "config_error", "cuda",
+           "overrides", "train_rank", "train_steps"]

@@ -10,7 +10,8 @@ each with the reference and the two with each other); what drives each (:func:`e
   ``DataParallelPPOActor`` (verl_dp_actor.py);
 - ``megatron``: verl 0.7, the legacy ``MegatronPPOActor`` on a real megatron-core model
   (verl_megatron.py); verl >= 0.9, the Megatron engine, which cannot run on the CPU
-  (verl_mcore.py says which call blocks it: the column is unsupported, never red).
+  (verl_mcore.py says which call blocks it: the column is unsupported, never red) and runs in
+  bf16 on CUDA (verl_mcore.train_steps).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rlaudit.targets.contract.declare import Difference
 from rlaudit.verdict.unsupported import UnsupportedFeature
 from rlaudit.targets.peers.verl_layout import to_batch_width
 from rlaudit.targets.peers import verl_dp_actor, verl_mcore, verl_megatron
+from rlaudit.targets.peers.verl_mcore import cuda
 from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
 from rlaudit.targets.run.target_backend import replayed_runs
 
@@ -245,7 +247,7 @@ def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
     to_variant_run`). A variant whose rows verl would refuse (:func:`~rlaudit.targets.peers.
     verl_train.rows_unsupported`: not whole mini-batches) is not run: its invariants are n/a for
     verl ("not returned")."""
-    if (engine.engine, engine.impl) == ("megatron", "engine"):
+    if (engine.engine, engine.impl) == ("megatron", "engine") and not cuda(request.device):
         verl_mcore.blocked(engine.target.version)          # raises UnsupportedFeature
     variants = [v for v in request.variants
                 if not rows_unsupported(v.config, len(v.batch), engine.dp)]
@@ -265,6 +267,7 @@ def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str) -> list[di
     if engine.impl == "legacy":
         module = verl_megatron if engine.engine == "megatron" else verl_dp_actor
         return module.train_steps(model_path, jobs, peer=engine.peer, device=device)
-    if engine.engine == "megatron":
-        verl_mcore.blocked(engine.target.version)
+    if engine.engine == "megatron":           # on the CPU: verl_mcore.blocked raises
+        return verl_mcore.train_steps(model_path, jobs, peer=engine.peer,
+                                      version=engine.target.version, device=device)
     return train_steps(model_path, jobs, dp=engine.dp, peer=engine.peer, device=device)

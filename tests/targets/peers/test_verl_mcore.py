@@ -28,6 +28,17 @@ try:
     verl_mcore.blocked("0.9.1")
 except UnsupportedFeature as e:
     print(e.release, "|", e.feature, "|", e.reason)
+try:
+    verl_mcore.train_steps(None, [], device="cpu")    # the column's path on the CPU
+except UnsupportedFeature as e:
+    print(e.release, "|", e.feature, "|", e.reason)
+from types import SimpleNamespace
+from rlaudit.targets.peers.verl_step import VerlEngine
+column = VerlEngine(SimpleNamespace(version="0.9.1", dp=1), "megatron", "engine")
+try:
+    column.replay(SimpleNamespace(device="cpu", variants=[]))
+except UnsupportedFeature as e:
+    print(e.release, "|", e.feature, "|", e.reason)
 """
 
 
@@ -36,7 +47,7 @@ def test_megatron_engine_blocked_at_its_config():
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(PEER)], capture_output=True,
                        text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
-    bf16, fp32, blocked = p.stdout.strip().splitlines()[-3:]
+    bf16, fp32, blocked, steps, replay = p.stdout.strip().splitlines()[-5:]
     assert bf16 == "None"                       # bf16 is what the engine config accepts
     # McoreEngineConfig.__post_init__: assert self.dtype in ["bfloat16", "float16"]
     assert fp32.startswith("verl/workers/config/engine.py:218:") and "float32" in fp32, fp32
@@ -44,3 +55,5 @@ def test_megatron_engine_blocked_at_its_config():
     assert release == "verl 0.9.1" and "float32" in feature
     assert "engine.py:218" in reason and "mbridge/core/util.py:151" in reason
     assert "param_and_grad_buffer.py:783" in reason
+    # the column's train_steps and replay on the CPU stop there, before any rank starts
+    assert steps == blocked and replay == blocked
