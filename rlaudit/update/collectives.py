@@ -97,6 +97,13 @@ def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: out[name] for name in tensors}
 
 
+def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` whole (:func:`full_tensors`), detached and copied, by its
+    name in the module (a Hugging Face model's own names). Collective: every rank calls it."""
+    whole = full_tensors({name: p.detach() for name, p in module.named_parameters()})
+    return {name: t.detach().clone() for name, t in whole.items()}
+
+
 def _gather_dim0_shards(dtensors: dict) -> dict[str, torch.Tensor]:
     mesh = next(iter(dtensors.values())).device_mesh
     world, me = mesh.size(), mesh.get_local_rank()

@@ -31,6 +31,7 @@ from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.run.target_backend import replayed_runs
+from rlaudit.update.collectives import full_params
 
 #: rlaudit estimator -> AReaL's reward_norm as NormConfig kwargs (group of ``rollout.n`` rows;
 #: eps from ``algorithm.grpo_std_eps``); no batch advantage normalisation, no critic
@@ -238,15 +239,6 @@ def train_job(job: dict) -> dict:
             result["tokens"] = tokens
         result["params"].append(full_params(engine.model))
     return result
-
-
-def full_params(module) -> dict[str, torch.Tensor]:
-    """Every parameter, unsharded (FSDP2 DTensor -> full_tensor), by its Hugging Face name."""
-    out = {}
-    for name, p in module.named_parameters():
-        t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
-        out[name] = t.detach().clone()
-    return out
 
 
 def output(result: dict, batch: RolloutBatch) -> TrainStepOutput:

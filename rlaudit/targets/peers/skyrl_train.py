@@ -50,6 +50,7 @@ from rlaudit.targets.peers.openrlhf_import import flash_attn_placeholders
 from rlaudit.targets.peers.registry import activate
 from rlaudit.targets.peers.skyrl_base import import_skyrl, shift
 from rlaudit.targets.run.target_backend import replayed_runs
+from rlaudit.update.collectives import full_params
 
 #: rlaudit estimator -> (SkyRL advantage_estimator, grpo_norm_by_std forced or None)
 ESTIMATORS = {"grpo": ("grpo", None), "drgrpo": ("grpo", False), "rloo": ("rloo", None)}
@@ -391,15 +392,6 @@ def train_job(info, job: dict, cfg, mods) -> dict:
             result["tokens"] = tokens
         result["params"].append(full_params(worker.model.model))
     return result
-
-
-def full_params(module) -> dict[str, torch.Tensor]:
-    """Every parameter, unsharded (FSDP2 DTensor -> full_tensor), by its Hugging Face name."""
-    out = {}
-    for name, p in module.named_parameters():
-        t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
-        out[name] = t.detach().clone()
-    return out
 
 
 def output(result: dict, batch: RolloutBatch) -> TrainStepOutput:

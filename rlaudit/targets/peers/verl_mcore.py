@@ -128,10 +128,10 @@ def train_rank(info, request: dict) -> list[dict]:
     sys.path[:] = [p for p in sys.path if p == peer or Path(p).parent != Path(peer).parent]
     if peer not in sys.path:
         sys.path.insert(0, peer)
-    # this spawned rank builds only Megatron workers: verl_train's defaults are verl's
-    # Megatron trainer config here (the FSDP one lacks actor.megatron and McoreActorConfig)
-    verl_train.DEFAULT_CONFIG = MEGATRON_CONFIG
-    return [verl_train.train_job(info, job, params=False) for job in request["jobs"]]
+    # Megatron workers need verl's Megatron trainer config (the FSDP one lacks actor.megatron
+    # and McoreActorConfig)
+    return [verl_train.train_job(info, job, params=False, config_file=MEGATRON_CONFIG)
+            for job in request["jobs"]]
 
 
 __all__ = ["LATER", "MEGATRON_CONFIG", "OPTIMIZERS", "blocked", "config_error", "cuda",

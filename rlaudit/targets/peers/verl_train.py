@@ -34,6 +34,7 @@ from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.peers.registry import peers_dir
 from rlaudit.targets.peers.verl_layout import verl_tensors
+from rlaudit.update.collectives import full_params
 
 #: verl's own defaults, inside the installed package
 DEFAULT_CONFIG = "trainer/config/_generated_ppo_trainer.yaml"
@@ -201,16 +202,17 @@ def train_rank(info, request: dict) -> list[dict]:
     return [train_job(info, job, params=request["params"]) for job in request["jobs"]]
 
 
-def train_job(info, job: dict, *, params: bool) -> dict:
+def train_job(info, job: dict, *, params: bool, config_file: str = DEFAULT_CONFIG) -> dict:
     """One job, ``job["steps"]`` times on the same batch: per step the metrics (verl's names,
     reduced as fit reduces them) and (rank 0) the parameters after it by Hugging Face name; the
     per-token tensors step 0 held (old log-probs and entropy of the initial policy, scores,
-    rewards, advantages, returns)."""
+    rewards, advantages, returns). ``config_file``: verl's generated trainer config the
+    overrides apply to (inside the installed package)."""
     # lazy: verl is an optional peer, imported after the platform is selected (train_rank)
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.workers.engine_workers import ActorRolloutRefWorker  # lazy: as above
 
-    cfg = _verl_config(job["overrides"])
+    cfg = _verl_config(job["overrides"], config_file)
     worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
     worker.init_model()
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
@@ -262,11 +264,11 @@ def fit_step(trainer, batch) -> tuple[dict, dict, dict]:
     return metrics, {k: _plain(v) for k, v in raw.items()}, tokens
 
 
-def _verl_config(overrides: dict[str, Any]):
+def _verl_config(overrides: dict[str, Any], config_file: str = DEFAULT_CONFIG):
     # lazy: verl (and omegaconf, from its peer directory) only exist inside a verl rank
     import verl
     from omegaconf import OmegaConf  # lazy: from verl's peer directory
-    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), DEFAULT_CONFIG))
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), config_file))
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg
@@ -323,16 +325,6 @@ class LocalWorkerGroup:
     def update_actor(self, td):
         # the metrics are all-gathered over dp inside the worker: rank 0's output is the result
         return self.worker.update_actor(self._chunk(td))
-
-
-def full_params(module) -> dict[str, torch.Tensor]:
-    """Every parameter, unsharded (FSDP2 DTensor -> full_tensor), by its Hugging Face name.
-    Collective: every rank calls it."""
-    out = {}
-    for name, p in module.named_parameters():
-        t = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
-        out[name] = t.detach().clone()
-    return out
 
 
 def _plain(value):
