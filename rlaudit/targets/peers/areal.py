@@ -23,6 +23,10 @@ configuration AReaL's trainer would hold:
   log-probs = the old ones: no decoupled loss), vanilla (``c_clip`` = dual clip) and gspo
   (``importance_sampling_level="sequence"``); token-mean over the micro-batch (AReaL's engine
   weighs micro-batches by their token share; not called here: no ``denominators``).
+- ``value_loss``: the critic's ``ppo_loss_fn`` (trainer/ppo/critic.py) over
+  ``ppo_critic_loss_fn`` (mse: ``0.5 * max`` of the unclipped and the old-value-clipped squared
+  errors), token-mean over the micro-batch (no ``denominators``, as the policy loss);
+  ``critic/vf_clipfrac`` is the ``clip_ratio`` it logs.
 - ``train_step`` / ``replay``: AReaL's own FSDP engine and ``PPOActor`` update on CPU
   (areal_train.py); ``supports`` names every setting it does not map.
 """
@@ -65,7 +69,7 @@ def import_areal():
         import areal  # noqa: F401  # lazy: AReaL is optional, imported when audited
         mods = {k: importlib.import_module(f"areal.{v}") for k, v in {
             "cli": "api.cli_args", "actor": "trainer.ppo.actor", "data": "utils.data",
-            "stats": "utils.stats_tracker"}.items()}
+            "stats": "utils.stats_tracker", "critic": "trainer.ppo.critic"}.items()}
     except ImportError as e:
         raise InputError(f"AReaL is not importable ({e}); install it with `make peers` "
                          f"(requirements/peers/areal-{PINNED}.txt, docs/peers.md)",
@@ -276,6 +280,25 @@ class ArealAdapter(TargetAdapter):
         out = {"actor/pg_loss": loss.detach().clone()}
         if "clip_ratio/avg" in logged:
             out["actor/pg_clipfrac"] = float(logged["clip_ratio/avg"])
+        return loss, out
+
+    # ---- value loss --------------------------------------------------------------------------
+    def value_loss(self, *, vpreds, values, returns, response_mask, cliprange_value,
+                   loss_agg_mode):
+        """The critic's ``ppo_loss_fn`` as its update calls it: the critic head's ``[B, T, 1]``
+        output, float32 inputs (``ppo_critic_loss_fn`` asserts float32)."""
+        if loss_agg_mode != "token-mean":
+            raise NotImplementedError(f"AReaL's critic has no {loss_agg_mode} value loss")
+        data = {"values": values.detach().to(torch.float32),
+                "returns": returns.detach().to(torch.float32), "loss_mask": response_mask.bool()}
+        stats = self.mods.stats
+        stats.DEFAULT_TRACKER.export(reset=True)      # nothing from an earlier call
+        loss = self.mods.critic.ppo_loss_fn(vpreds.unsqueeze(-1), data,
+                                            eps_clip=float(cliprange_value))
+        logged = stats.DEFAULT_TRACKER.export(reset=True)
+        out = {"critic/vf_loss": float(loss.detach())}
+        if "clip_ratio/avg" in logged:
+            out["critic/vf_clipfrac"] = float(logged["clip_ratio/avg"])
         return loss, out
 
     # ---- the whole training step --------------------------------------------------------------

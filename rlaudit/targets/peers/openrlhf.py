@@ -22,6 +22,9 @@ arguments its trainer would pass:
   actor's ``loss_batch_info`` (``batch_num_tokens``, ``global_batch_size``, ``dp_size=1``).
 - ``policy_loss``: ``PolicyLoss`` (ppo with ``dual_clip``, gspo), called as the actor's
   ``training_step`` calls it.
+- ``value_loss``: ``ValueLoss`` as the critic builds it (``ValueLoss(value_clip)``, so
+  token-mean only: ``PPOCritic.training_step``), global counts as ``loss_batch_info``. It logs no
+  clip fraction.
 - ``train_step``: not on CPU (OpenRLHF calls CUDA by name: ``openrlhf_train.BLOCKERS``, named
   in every run-level check's n/a); the CUDA path is ``openrlhf_train`` and its gpu test.
 
@@ -96,7 +99,9 @@ class OpenRLHFAdapter(TargetAdapter):
     advantage_estimators = tuple(ESTIMATORS)
     loss_modes = tuple(LOSS_TYPES)
     # GSPO forces sequence-level loss (PolicyLoss.__init__: token_level_loss = False)
-    loss_agg_modes = {"gspo": ("seq-mean-token-mean",), "*": tuple(TOKEN_LEVEL)}
+    loss_agg_modes = {"gspo": ("seq-mean-token-mean",), "*": tuple(TOKEN_LEVEL),
+                      # the critic builds ValueLoss(value_clip): token_level_loss's default
+                      "value": ("token-mean",)}
 
     def __init__(self):
         self.orl = import_openrlhf()
@@ -225,3 +230,19 @@ class OpenRLHFAdapter(TargetAdapter):
         loss, clip_ratio, ppo_kl = out[0], out[1], out[2]
         return loss, {"actor/pg_loss": loss.detach().clone(),
                       "actor/pg_clipfrac": float(clip_ratio), "actor/ppo_kl": float(ppo_kl)}
+
+    def value_loss(self, *, vpreds, values, returns, response_mask, cliprange_value,
+                   loss_agg_mode, denominators=None):
+        """``ValueLoss(value_clip)`` as ``PPOCritic.training_step`` calls it:
+        ``0.5 * max((v - G)^2, (V + clamp(v - V, -c, c) - G)^2)`` aggregated token-mean, over
+        the global token count when given (0.10.3 and later)."""
+        if loss_agg_mode != "token-mean":
+            raise NotImplementedError(f"OpenRLHF's critic has no {loss_agg_mode} value loss")
+        fn = self.orl.loss.ValueLoss(float(cliprange_value))
+        info = self._batch_info(denominators)
+        if info and "batch_num_tokens" not in inspect.signature(fn.forward).parameters:
+            raise NotImplementedError(f"OpenRLHF {self.version}'s ValueLoss takes no global "
+                                      f"counts (each micro-batch is reduced on its own)")
+        loss = fn(vpreds, values.detach(), returns.detach(), action_mask=response_mask.bool(),
+                  **info)
+        return loss, {"critic/vf_loss": float(loss.detach())}

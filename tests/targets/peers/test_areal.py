@@ -83,7 +83,7 @@ def test_pinned_release_passes_with_only_declared_differences(tmp_path):
     assert {n for n, s in got.items() if s in ("fail", "error")} == set(), \
         {n: checks[n]["message"] for n, s in got.items() if s in ("fail", "error")}
     assert rc == 0, err[-2000:]
-    for name in ("kl_penalty:parity", "compute_advantages:row-permutation",
+    for name in ("kl_penalty:parity", "compute_advantages:row-permutation", "value_loss:parity",
                  "compute_advantages:masked-values", "policy_loss:masked-values",
                  "policy_loss:row-permutation", "policy_loss:clip-effect"):
         assert got[name] == "pass", (name, checks[name]["message"])
@@ -130,6 +130,44 @@ def test_dual_clip_caps_a_negative_advantage(probe):
 
 def test_unequal_groups_are_not_supported_rather_than_wrong(probe):
     assert "same size" in probe["unequal_groups"]
+
+
+#: the critic's loss on a hand-worked example, in a process of its own (module docstring):
+#: token 0 moves 1.0 from its old value (outside a 0.2 window), token 1 moves 0.1 (inside it),
+#: token 2 is masked (its move and return never count)
+VALUE_PROBE = textwrap.dedent(f"""
+    import json, sys, warnings
+    import torch
+    warnings.filterwarnings("ignore")
+    from rlaudit.targets import peers
+    peers.activate("areal", "{PINNED}")
+    from rlaudit.targets.peers.areal import ArealAdapter
+    vpred = torch.tensor([[1.0, 0.1, 5.0]], dtype=torch.float64, requires_grad=True)
+    loss, metrics = ArealAdapter().value_loss(
+        vpreds=vpred, values=torch.zeros(1, 3, dtype=torch.float64),
+        returns=torch.tensor([[2.0, 0.0, -3.0]], dtype=torch.float64),
+        response_mask=torch.tensor([[True, True, False]]), cliprange_value=0.2,
+        loss_agg_mode="token-mean")
+    loss.backward()
+    json.dump({{"loss": float(loss), "metrics": metrics, "grad": vpred.grad.tolist()}},
+              sys.stdout)
+""")
+
+
+def test_value_loss_clips_around_the_old_values_with_a_half():
+    _installed()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-c", VALUE_PROBE], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # token 0: unclipped (1 - 2)^2 = 1, clipped around V = 0: (0.2 - 2)^2 = 3.24, the larger
+    # (clipped: gradient 0); token 1: both (0.1 - 0)^2 = 0.01, gradient 0.5 * 2 * 0.1 / 2 =
+    # 0.05. Loss 0.5 * (3.24 + 0.01) / 2 valid tokens = 0.8125; clip fraction 1 / 2
+    assert got["loss"] == pytest.approx(0.8125, rel=1e-6)
+    assert got["grad"][0] == pytest.approx([0.0, 0.05, 0.0], abs=1e-7)
+    assert got["metrics"]["critic/vf_clipfrac"] == pytest.approx(0.5)
 
 
 def test_own_update_runs_on_cpu_and_raises_rewarded_log_probs(tmp_path):

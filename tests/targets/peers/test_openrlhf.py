@@ -19,6 +19,7 @@ import pytest
 import torch
 from peer_cli import run_cli, statuses
 
+from rlaudit.algo.agg import Denominators
 from rlaudit.targets import peers
 
 PINNED, BUGGY = "0.11.2", "0.10.2"
@@ -60,6 +61,7 @@ def test_pinned_release_passes_with_only_declared_differences(tmp_path):
         {n: checks[n]["message"] for n, s in got.items() if s in ("fail", "error")}
     assert rc == 0, err[-2000:]
     for name in ("kl_penalty:parity", "apply_kl_in_reward:parity", "agg_loss:global-split",
+                 "value_loss:parity", "value_loss:global-split",
                  "policy_loss:parity", "policy_loss:global-split", "policy_loss:masked-values",
                  "compute_advantages:row-permutation"):
         assert got[name] == "pass", (name, checks[name]["message"])
@@ -98,7 +100,7 @@ def test_hand_worked_examples_in_their_own_process():
         cwd=os.path.dirname(__file__))
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, tail
-    assert "7 passed" in proc.stdout and "failed" not in proc.stdout, tail
+    assert "9 passed" in proc.stdout and "failed" not in proc.stdout, tail
 
 
 def test_flash_attn_placeholders_leave_no_trace(orl):
@@ -178,3 +180,37 @@ def test_dual_clip_caps_a_negative_advantage(orl):
     loss.backward()
     assert logp.grad.item() == 0.0
     assert metrics["actor/ppo_kl"] == pytest.approx(-1.5)
+
+
+#: old values V, predictions v, returns G for the value-loss examples: token 0 moves 1.0 from
+#: its old value (outside a 0.2 window), token 1 moves 0.1 (inside it)
+V, V_PRED, G = [[0.0, 0.0]], [[1.0, 0.1]], [[2.0, 0.0]]
+
+
+def _value_loss(orl, **kw):
+    vpred = torch.tensor(V_PRED, dtype=torch.float64, requires_grad=True)
+    loss, metrics = orl.value_loss(
+        vpreds=vpred, values=torch.tensor(V, dtype=torch.float64),
+        returns=torch.tensor(G, dtype=torch.float64), response_mask=torch.ones(1, 2, dtype=bool),
+        cliprange_value=0.2, loss_agg_mode="token-mean", **kw)
+    loss.backward()
+    return loss, metrics, vpred.grad
+
+
+def test_value_loss_clips_around_the_old_values_with_a_half(orl):
+    # token 0: unclipped (1 - 2)^2 = 1, clipped around V: (0 + 0.2 - 2)^2 = 3.24, the larger;
+    # its prediction is outside the window, so gradient 0. Token 1: inside, both (0.1 - 0)^2 =
+    # 0.01, gradient 0.5 * 2 * 0.1 / 2 tokens = 0.05. Loss 0.5 * (3.24 + 0.01) / 2 = 0.8125
+    # (a clip around the returns would give (1.8 - 2)^2 = 0.04 vs 1 for token 0: 0.2525)
+    loss, metrics, grad = _value_loss(orl)
+    assert loss.item() == pytest.approx(0.8125)
+    assert metrics["critic/vf_loss"] == pytest.approx(0.8125)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.05]], dtype=torch.float64))
+
+
+def test_value_loss_divides_by_the_global_token_count(orl):
+    # the same two tokens in a mini-batch of 5 valid tokens: 0.5 * 3.25 / 5 = 0.325
+    loss, _, grad = _value_loss(orl, denominators=Denominators(tokens=5.0, seqs=3.0,
+                                                               norm_len=2.0))
+    assert loss.item() == pytest.approx(0.325)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.02]], dtype=torch.float64))
