@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,9 @@ def _package(root, name: str, text: str = "") -> None:
 
 @pytest.fixture
 def clean(monkeypatch, tmp_path):
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    # no verl already importable from the path (a worker that ran a real peer's tests has the
+    # installed peers directory on it): the stand-ins are the only verls here
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p) / "verl").exists()])
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.setenv("RLAUDIT_PEERS_DIR", str(tmp_path / "peers"))
     for mod in ("verl", "fake_dep_of_verl"):
