@@ -66,7 +66,7 @@ run: venv
 	$(BIN)/rlaudit run --all
 
 test: venv peers
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q --timeout 900
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q --timeout 900 --durations=25
 
 test-fast: venv
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q -m "not slow"
