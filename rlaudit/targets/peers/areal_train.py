@@ -32,6 +32,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.run.target_backend import replayed_runs
 from rlaudit.update.collectives import full_params
+from rlaudit.targets.peers.step_config import unmapped_layout
 
 #: rlaudit estimator -> AReaL's reward_norm as NormConfig kwargs (group of ``rollout.n`` rows;
 #: eps from ``algorithm.grpo_std_eps``); no batch advantage normalisation, no critic
@@ -75,13 +76,7 @@ def unsupported(cfg: Config) -> list[str]:
         f"actor.ppo_epochs={act.ppo_epochs} (_ppo_update makes one pass)": act.ppo_epochs != 1,
         f"trainer.dtype={t.dtype!r} (this step runs AReaL in float32)":
             t.dtype not in ("float32", "float64"),
-        "reward.overlong_buffer": cfg.reward.overlong_buffer.enable,
-        "actor.shuffle": act.shuffle,
-        "trainer.balance_batch": t.balance_batch,
-        "padding micro-batches (trainer.extra_padding_microbatches)":
-            t.extra_padding_microbatches > 0,
-        "actor.context_parallel_size > 1": act.context_parallel_size > 1,
-        "distillation": act.distill.enable,
+        **unmapped_layout(cfg),
         "algorithm.filter_groups (DAPO's group filter)": a.filter_groups.enable,
         "algorithm.outcome_score=unmasked-sum": a.outcome_score != "masked-sum",
     }

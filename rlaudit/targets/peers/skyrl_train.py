@@ -51,6 +51,7 @@ from rlaudit.targets.peers.registry import activate
 from rlaudit.targets.peers.skyrl_base import import_skyrl, shift
 from rlaudit.targets.run.target_backend import replayed_runs
 from rlaudit.update.collectives import full_params
+from rlaudit.targets.peers.step_config import unmapped_layout
 
 #: rlaudit estimator -> (SkyRL advantage_estimator, grpo_norm_by_std forced or None)
 ESTIMATORS = {"grpo": ("grpo", None), "drgrpo": ("grpo", False), "rloo": ("rloo", None)}
@@ -118,13 +119,7 @@ def unsupported(cfg: Config) -> list[str]:
             t.dtype not in ("float32", "float64"),
         "actor.use_dynamic_bsz (SkyRL's token-based micro-batches are not mapped)":
             act.use_dynamic_bsz,
-        "reward.overlong_buffer": cfg.reward.overlong_buffer.enable,
-        "actor.shuffle": act.shuffle,
-        "trainer.balance_batch": t.balance_batch,
-        "padding micro-batches (trainer.extra_padding_microbatches)":
-            t.extra_padding_microbatches > 0,
-        "actor.context_parallel_size > 1": act.context_parallel_size > 1,
-        "distillation": act.distill.enable,
+        **unmapped_layout(cfg),
         "algorithm.filter_groups (DAPO's group filter)": a.filter_groups.enable,
     }
     return [why for why, bad in checks.items() if bad]

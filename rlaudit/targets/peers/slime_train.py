@@ -44,6 +44,7 @@ from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.peers.slime_step import METRICS, train_job
 from rlaudit.targets.run.target_backend import replayed_runs
+from rlaudit.targets.peers.step_config import unmapped_layout
 
 #: rlaudit estimator -> (slime advantage_estimator, grpo_std_normalization); slime normalises
 #: the rewards of ``n_samples_per_prompt`` consecutive samples (std with eps 1e-6, unbiased)
@@ -74,12 +75,8 @@ def unsupported(cfg: Config) -> list[str]:
             act.ppo_epochs != 1,
         f"trainer.dtype={t.dtype!r} (this step runs slime in float32)":
             t.dtype not in ("float32", "float64"),
-        "reward.overlong_buffer": cfg.reward.overlong_buffer.enable,
-        "actor.shuffle": act.shuffle, "trainer.balance_batch": t.balance_batch,
         "token-budget micro-batches (use_dynamic_bsz)": act.use_dynamic_bsz,
-        "padding micro-batches": t.extra_padding_microbatches > 0,
-        "actor.context_parallel_size > 1": act.context_parallel_size > 1,
-        "distillation": act.distill.enable,
+        **unmapped_layout(cfg),
         "algorithm.filter_groups (DAPO's group filter)": a.filter_groups.enable,
         "algorithm.outcome_score=unmasked-sum": a.outcome_score != "masked-sum",
     }

@@ -44,6 +44,7 @@ from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.peers.verl_layout import verl_tensors
 from rlaudit.targets.peers.verl_train import ESTIMATORS, rollout_proto
+from rlaudit.targets.peers.step_config import unmapped_layout
 
 #: verl 0.7.1's own Megatron trainer defaults, inside the installed package
 DEFAULT_CONFIG = "trainer/config/_generated_ppo_megatron_trainer.yaml"
@@ -61,11 +62,7 @@ def unsupported(cfg: Config) -> list[str]:
         f"actor.loss_mode={act.loss_mode!r}": act.loss_mode != "vanilla",
         "token-budget micro-batches (use_dynamic_bsz)": act.use_dynamic_bsz,
         f"trainer.dtype={t.dtype!r}": t.dtype not in ("float32", "float64"),
-        "actor.shuffle": act.shuffle, "trainer.balance_batch": t.balance_batch,
-        "padding micro-batches": t.extra_padding_microbatches > 0,
-        "actor.context_parallel_size > 1": act.context_parallel_size > 1,
-        "distillation": act.distill.enable,
-        "reward.overlong_buffer": cfg.reward.overlong_buffer.enable,
+        **unmapped_layout(cfg),
     }
     return [why for why, bad in checks.items() if bad]
 
