@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from rlaudit.targets.peers.step_config import WrappedGPT
+
 #: module prefixes slime's actor imports that are absent on a CPU environment (module docstring)
 ABSENT = ("megatron.training", "sglang", "sglang_router", "torch_memory_saver", "wandb")
 
@@ -183,23 +185,10 @@ def in_process_object_store():
         ray.put, ray.get = real_put, real_get
 
 
-class PackedSequences(torch.nn.Module):
+class PackedSequences(WrappedGPT):
     """The GPTModel behind slime's packed (thd) micro-batches (module docstring): each segment of
     ``packed_seq_params.cu_seqlens_q`` through the model alone, causal, positions from 0; every
     other attribute is the GPTModel's (``module``: megatron's unwrapping goes through it)."""
-
-    def __init__(self, gpt):
-        super().__init__()
-        self.module = gpt
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("module"), name)
-
-    def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None,
                 packed_seq_params=None, loss_mask=None, **kwargs):

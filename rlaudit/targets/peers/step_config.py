@@ -1,8 +1,11 @@
-"""What no peer's own training step maps (verl, SkyRL, slime, AReaL): the layout settings of
-rlaudit's config that change which rows a step sees or how they are cut, each named as the
-n/a reason a peer's ``supports()`` gives. Peer-specific refusals stay with each peer."""
+"""What the peers' own training steps share: the layout settings of rlaudit's config that no
+peer's step maps (verl, SkyRL, slime, AReaL), each named as the n/a reason its ``supports()``
+gives (peer-specific refusals stay with each peer), and the wrapper the Megatron-based steps
+(verl 0.7's actor, slime) put around a GPTModel."""
 
 from __future__ import annotations
+
+import torch
 
 from rlaudit.config import Config
 
@@ -20,3 +23,22 @@ def unmapped_layout(cfg: Config) -> dict[str, bool]:
         "actor.context_parallel_size > 1": act.context_parallel_size > 1,
         "distillation": act.distill.enable,
     }
+
+
+class WrappedGPT(torch.nn.Module):
+    """A megatron-core GPTModel behind a peer-facing ``forward`` of a subclass's own: every
+    other attribute is the GPTModel's, and ``module`` is it (megatron's
+    ``get_attr_wrapped_model`` unwraps through ``module``)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.module = gpt
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)

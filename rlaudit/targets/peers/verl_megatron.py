@@ -44,7 +44,7 @@ from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.peers.verl_layout import verl_tensors
 from rlaudit.targets.peers.verl_train import ESTIMATORS, rollout_proto
-from rlaudit.targets.peers.step_config import unmapped_layout
+from rlaudit.targets.peers.step_config import WrappedGPT, unmapped_layout
 
 #: verl 0.7.1's own Megatron trainer defaults, inside the installed package
 DEFAULT_CONFIG = "trainer/config/_generated_ppo_megatron_trainer.yaml"
@@ -216,23 +216,10 @@ class LegacyMegatronGroup:
         return DataProto(meta_info={"metrics": metrics})
 
 
-class MaskedGPT(torch.nn.Module):
+class MaskedGPT(WrappedGPT):
     """The GPTModel with verl's 2-D padding mask turned into megatron's 4-D causal + padding mask
     (module docstring); every other attribute is the GPTModel's (``module``: megatron's
     ``get_attr_wrapped_model`` unwraps through it)."""
-
-    def __init__(self, gpt):
-        super().__init__()
-        self.module = gpt
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("module"), name)
-
-    def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
 
     def forward(self, input_ids, position_ids, attention_mask, **kwargs):
         # lazy: megatron-core pieces of rlaudit's backend, inside the rank only
