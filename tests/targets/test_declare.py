@@ -383,6 +383,10 @@ def test_run_level_differences_cover_all_problems_or_none():
     out = apply_differences([one, two, other_backend], "t", decl)
     assert [r.status for r in out] == [DIFFERS, FAIL, FAIL]
     assert "loss-type" in out[0].message and out[0].details["differences"]["loss-type"]["count"] == 1
+    # the red one leads with what is not declared, the declared one counted after it
+    assert out[1].message.startswith("1 undeclared problem(s): step 0: actor/grad_norm = 1")
+    assert "loss-type (1 problem(s))" in out[1].message
+    assert out[1].details["undeclared"] == ["step 0: actor/grad_norm = 1, expected 2"]
 
 
 def test_scenario_tolerance_floor_and_overrides():

@@ -26,7 +26,9 @@ PARITY_INVARIANTS = ("backend-parity", "dp-invariance")
 def apply_differences(results: list[CheckResult], target: str, decl: Declarations
                       ) -> list[CheckResult]:
     """A failing result of ``target`` whose every problem is a declared difference (without a
-    convention) becomes ``differs``; any undeclared problem keeps it a failure."""
+    convention) becomes ``differs``; any undeclared problem keeps it a failure, and its message
+    then leads with the undeclared ones (a declared problem first would read as the known
+    difference again and hide what turned the check red)."""
     out = []
     for r in results:
         if r.status != FAIL or r.backend != target or not decl.differences:
@@ -34,19 +36,27 @@ def apply_differences(results: list[CheckResult], target: str, decl: Declaration
             continue
         problems = [f["message"] for f in r.details.get("failures", [])
                     if isinstance(f, dict) and f.get("message")] or [r.message]
-        found = {}
+        found, undeclared = {}, []
         for p in problems:
             d = decl.declared(r.invariant, p)
             if d is None:
-                found = None
-                break
-            found.setdefault(d.name, (d, []))[1].append(p)
+                undeclared.append(p)
+            else:
+                found.setdefault(d.name, (d, []))[1].append(p)
         if not found:
             out.append(r)
             continue
         details = {**r.details, "differences": {
             n: {"declared": d.describe(), "count": len(ps), "problems": ps[:10]}
             for n, (d, ps) in found.items()}}
+        declared = "; ".join(f"{n} ({len(ps)} problem(s))" for n, (_, ps) in found.items())
+        if undeclared:
+            more = f" (+{len(undeclared) - 1} more)" if len(undeclared) > 1 else ""
+            details["undeclared"] = undeclared
+            msg = (f"{len(undeclared)} undeclared problem(s): {undeclared[0]}{more}; "
+                   f"besides as declared: {declared}")
+            out.append(dataclasses.replace(r, message=msg, details=details))
+            continue
         msg = "as declared: " + "; ".join(f"{n} ({len(ps)} problem(s), e.g. {ps[0]})"
                                           for n, (_, ps) in found.items())
         out.append(dataclasses.replace(r, status=DIFFERS, message=msg, details=details))
