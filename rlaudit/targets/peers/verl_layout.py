@@ -49,3 +49,27 @@ def to_batch_width(x: torch.Tensor, r: int) -> torch.Tensor:
     """A per-token tensor of verl's response width back to the batch's ``[B, r]`` (the cut
     columns were padding: zeros)."""
     return _to_width(x, r)
+
+
+def dispatch_order(rows: int, mini_rows: int, dp: int) -> list[int]:
+    """The order to hand ``rows`` rows to verl over ``dp`` ranks so that its optimizer steps
+    train the reference's mini-batches: row ``order[p]`` goes to position ``p``.
+
+    verl's dispatcher gives rank ``r`` the contiguous chunk ``[r R/dp, (r+1) R/dp)``
+    (single_controller/base/decorator.py:77) and each rank cuts its own mini-batches of
+    ``mini_rows / dp`` rows in order (workers/engine_workers.py:263-278), so optimizer step
+    ``k`` trains, on rank ``r``, chunk rows ``[k m, (k+1) m)`` with ``m = mini_rows / dp``: in the
+    rollout's own order, step 0 at dp 2 trains rows 0-3 and 8-11 of 16 (mini-batches of 8)
+    where one rank trains 0-7. Placing reference row ``k M + r m + j`` at position
+    ``r R/dp + k m + j`` makes step ``k`` train the reference's rows ``[k M, (k+1) M)`` on every
+    dp (a layout of the dispatch, not a change of what verl computes)."""
+    if rows % mini_rows or mini_rows % dp:
+        raise ValueError(f"{rows} rows do not cut into mini-batches of {mini_rows} rows over "
+                         f"{dp} rank(s)")
+    m, chunk = mini_rows // dp, rows // dp
+    order = [0] * rows
+    for k in range(rows // mini_rows):
+        for r in range(dp):
+            for j in range(m):
+                order[r * chunk + k * m + j] = k * mini_rows + r * m + j
+    return order
