@@ -16,7 +16,7 @@ from rlaudit.config import Config
 
 _FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 K3 = ("k3", "low_var_kl", "k3+", "low_var_kl+")
-#: the optimizer a training-mode engine builds for the reference worker (:func:`reference_overrides`)
+#: the optimizer a training-mode engine builds for the reference worker (reference_overrides)
 NEVER_STEPPED = {"_target_": "verl.workers.config.FSDPOptimizerConfig", "optimizer": "SGD",
                  "lr": 0.0, "weight_decay": 0.0}
 

@@ -176,9 +176,10 @@ def train_step(model_path, batch: RolloutBatch, cfg: Config, *, dp: int = 1, ste
 def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, dp: int = 1,
                 version: str = "0.9.1", peer: str | None = None, params: bool = True,
                 device: str = "cpu", backend: str | None = None,
-                timeout: float = 300.0, ref_model_path=None) -> list[dict]:
+                timeout: float = 300.0, ref_model_path=None, rank=None) -> list[dict]:
     """:func:`train_step` for each ``(batch, config, steps)`` of ``jobs``, one after the other in
-    one group of ranks (verl imported once; fresh workers per job). ``timeout`` is per job."""
+    one group of ranks (verl imported once; fresh workers per job). ``timeout`` is per job.
+    ``rank``: the rank body, ``fn(info, request)`` (default :func:`train_rank`)."""
     for _batch, cfg, _steps in jobs:
         bad = unsupported(cfg)
         if bad:
@@ -195,8 +196,8 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, dp:
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if device == "cpu":
         env["VERL_PLATFORM"] = "cpu"
-    return launch(train_rank, dp, args=(request,), env=env, timeout=timeout * len(jobs),
-                  device=device, backend=backend)[0]
+    return launch(rank or train_rank, dp, args=(request,), env=env,
+                  timeout=timeout * len(jobs), device=device, backend=backend)[0]
 
 
 def train_rank(info, request: dict) -> list[dict]:
