@@ -201,3 +201,21 @@ def test_a_broken_verl_is_caught(reference):
     assert {"actor/pg_loss", "actor/grad_norm"} <= set(bad), bad
     # the IS metrics are computed before the weights are dropped: still verl's own
     assert "rollout_corr/rollout_is_mean" not in bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_kl_and_rollout_is_on_device(verl_runs):
+    """The same two jobs on verl's own platform (nvidia) with NCCL, the reference worker
+    forward-only as verl builds it there (pinned offload): as on the CPU, at 10x the tolerance
+    (GPU kernels reduce in other orders)."""
+    got = train_steps(MODEL, _jobs(), dp=1, ref_model_path=REF_MODEL, device="cuda",
+                      backend="nccl")
+    for mine, cpu in zip(got, verl_runs):
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert mine["metrics"][0][key] == pytest.approx(cpu["metrics"][0][key],
+                                                            rel=10 * RTOL), key
+    assert got[0]["metrics"][0]["actor/kl_loss"] == pytest.approx(
+        verl_runs[0]["metrics"][0]["actor/kl_loss"], rel=10 * RTOL)
+    assert got[1]["metrics"][0]["rollout_corr/rollout_is_mean"] == pytest.approx(
+        verl_runs[1]["metrics"][0]["rollout_corr/rollout_is_mean"], rel=10 * RTOL)
