@@ -87,13 +87,13 @@ def rollout_correction_overrides(cfg: Config) -> dict[str, Any]:
     """verl's ``algorithm.rollout_correction`` for rlaudit's: IS at the same level with the
     threshold (:func:`rollout_is_threshold`), no rejection sampling, no batch normalisation,
     decoupled mode (old log-probs recomputed, as rlaudit's reference does). The rollout's
-    log-probs reach the trainer only when verl's rollout computes them
-    (``rollout.calculate_log_probs``): on exactly when rlaudit's rollout correction is."""
+    log-probs reach the trainer when the batch has them: verl's rollout computes them by
+    default (``rollout.calculate_log_probs: true`` in the generated trainer config), and fit
+    then logs the mismatch metrics whether or not IS is on, as rlaudit's reference does."""
     rc = cfg.actor.rollout_correction
     on = rc.rollout_is is not None
     at = "algorithm.rollout_correction"
-    return {"actor_rollout_ref.rollout.calculate_log_probs": on,
-            f"{at}.rollout_is": rc.rollout_is,
+    return {f"{at}.rollout_is": rc.rollout_is,
             f"{at}.rollout_is_threshold": rollout_is_threshold(cfg) if on else 2.0,
             f"{at}.rollout_rs": None, f"{at}.rollout_rs_threshold": None,
             f"{at}.bypass_mode": False, f"{at}.rollout_is_batch_normalize": False}

@@ -47,7 +47,11 @@ RENAMES = {"actor/entropy_loss": "actor/entropy", "actor/entropy": None,
            "actor/reward_kl_penalty": None,
            # the token-mean of the (truncated) IS weights over the batch, as rlaudit's
            # (rollout_corr_helper.py:712,723)
-           "rollout_corr/rollout_is_mean": "rollout_corr/is_weight_mean"}
+           "rollout_corr/rollout_is_mean": "rollout_corr/is_weight_mean",
+           # a mean over every row of each row's token-mean (rollout_corr_helper.py:980);
+           # rlaudit's is over the rows with a response: another quantity on a batch with an
+           # empty response, not reported
+           "rollout_corr/log_ppl_diff": None}
 #: what fit() logs under rlaudit's catalogue names in every configuration this step runs
 #: (verl's others, e.g. ``perf/*``, have no catalogue name)
 TRAIN_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
@@ -197,25 +201,38 @@ def catalogue_metrics(step: dict, renames: dict = RENAMES) -> dict:
     return out
 
 
-def correction_renames(config: Config | None, batch: RolloutBatch) -> dict:
-    """verl's ``rollout_corr/*`` metrics under rlaudit's names where they mean the same for
-    ``config`` on ``batch``. The share of weights outside the bounds (rlaudit's
-    ``is_clipfrac``): ``rollout_is_ratio_fraction_high`` under truncation (token level: of the
-    valid tokens; sequence level: of the rows), ``rollout_is_oob_ratio`` under IcePop's band
-    at token level (rollout_corr_helper.py:616-621, 715-731). verl's row means (the sequence
-    fraction, ``log_ppl_diff``) divide by every row, rlaudit's by the rows with a response: on a
-    batch with an empty response they are other quantities, not reported."""
-    out: dict[str, str | None] = {}
+def correction_renames(config: Config | None) -> dict:
+    """verl's share of IS weights outside the bounds under rlaudit's ``is_clipfrac`` where it
+    counts the same things for ``config``: ``rollout_is_ratio_fraction_high`` under truncation
+    (the valid tokens above the threshold at token level, the rows above it at sequence level;
+    rollout_corr_helper.py:717, 728 at v0.9.1), ``rollout_is_oob_ratio`` (the valid tokens
+    outside the band) under IcePop's mask at token level (616-621)."""
     rc = None if config is None else config.actor.rollout_correction
-    every_row = bool((batch["response_lengths"] > 0).all())
-    if rc is not None and rc.rollout_is is not None:
-        if rc.rollout_is_mode == "truncate" and (rc.rollout_is == "token" or every_row):
-            out["rollout_corr/rollout_is_ratio_fraction_high"] = "rollout_corr/is_clipfrac"
-        elif rc.rollout_is_mode == "mask" and rc.rollout_is == "token":
-            out["rollout_corr/rollout_is_oob_ratio"] = "rollout_corr/is_clipfrac"
-    if not every_row:
-        out["rollout_corr/log_ppl_diff"] = None
-    return out
+    if rc is None or rc.rollout_is is None:
+        return {}
+    if rc.rollout_is_mode == "truncate":
+        return {"rollout_corr/rollout_is_ratio_fraction_high": "rollout_corr/is_clipfrac"}
+    return {"rollout_corr/rollout_is_oob_ratio": "rollout_corr/is_clipfrac"}
+
+
+def per_responding_row(step: dict, config: Config | None, batch: RolloutBatch) -> dict:
+    """``step``'s sequence-level ``is_clipfrac`` over the rows with a response, as rlaudit
+    counts it: verl divides its count of rows above the threshold by every row
+    (``exceeds_upper.float().mean()``, rollout_corr_helper.py:717 at v0.9.1), and an empty row's
+    log-ratio sum is 0, above the threshold exactly when it is below 1. The count is verl's;
+    only the denominator changes."""
+    rc = None if config is None else config.actor.rollout_correction
+    name = "rollout_corr/is_clipfrac"
+    if rc is None or rc.rollout_is != "sequence" or name not in step:
+        return step
+    rows = len(batch)
+    empty = int((batch["response_lengths"] == 0).sum())
+    if not empty or empty == rows:
+        return step
+    above = round(float(step[name]) * rows)
+    if rc.rollout_is_threshold < 1:
+        above -= empty
+    return {**step, name: above / (rows - empty)}
 
 
 def output(result: dict, batch: RolloutBatch, renames: dict = RENAMES,
@@ -230,9 +247,10 @@ def output(result: dict, batch: RolloutBatch, renames: dict = RENAMES,
         return torch.where(mask, to_batch_width(t, mask.shape[1]).double(), 0.0)
 
     tokens = result["tokens"]
-    renames = {**renames, **correction_renames(config, batch)}
+    renames = {**renames, **correction_renames(config)}
     return TrainStepOutput(
-        metrics=[catalogue_metrics(step, renames) for step in result["metrics"]],
+        metrics=[per_responding_row(catalogue_metrics(step, renames), config, batch)
+                 for step in result["metrics"]],
         log_probs=per_token(tokens["old_log_probs"]),
         entropy=per_token(tokens["entropys"]),
         tokens={ours: per_token(tokens[theirs]) for theirs, ours in TOKENS.items()
