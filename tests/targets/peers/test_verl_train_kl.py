@@ -90,7 +90,7 @@ def broken_rank(info, request):
 
     def unweighted(batch, config):
         batch, metrics = real_is(batch, config)
-        batch.batch.pop("rollout_is_weights")
+        batch.batch.pop("rollout_is_weights", None)
         return batch, metrics
 
     core_algos.kl_penalty_forward = no_half
