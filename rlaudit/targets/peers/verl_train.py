@@ -9,17 +9,18 @@ process group already up) selects the CPU platform (``verl_cpu``), builds verl's
 the overrides :func:`verl_overrides` maps from rlaudit's :class:`~rlaudit.config.Config`, runs its
 ``init_model`` (FSDP2 engine), and then the post-generation part of ``RayPPOTrainer.fit`` in fit's
 order (verl 0.9.1 trainer/ppo/ray_trainer.py:1586-1690): the trainer's own
-``_compute_old_log_prob``; with a KL term (verl's ``need_reference_policy``) the trainer's own
-``_compute_ref_log_prob`` on a second ``ActorRolloutRefWorker`` of role ``ref`` (fit's standalone
-reference worker group, Role.RefPolicy) loaded from the reference snapshot; ``apply_kl_penalty``
-with the trainer's KL controller (``core_algos.get_kl_controller``) or ``token_level_rewards =
-token_level_scores``; ``compute_rollout_correction_and_add_to_batch`` when the rollout's
-log-probs travel (rollout correction on); ``compute_advantage``, the trainer's own
-``_update_actor`` (verl's ``ppo_loss`` adds the KL loss, workers/utils/losses.py:132-142),
-``reduce_metrics`` as fit reduces the actor's output, and fit's ``compute_data_metrics``;
-``steps`` times on the same batch with the same workers (:func:`fit_step`). ``self`` of those
-trainer methods is a bare ``RayPPOTrainer`` with the config and worker-group stand-ins
-(:class:`LocalWorkerGroup`). Nothing verl computes is re-implemented.
+``_compute_old_log_prob``; with a KL term (verl's ``need_reference_policy``) the trainer's
+own ``_compute_ref_log_prob`` on a second ``ActorRolloutRefWorker`` of role ``ref`` (fit's
+standalone reference worker group, Role.RefPolicy) loaded from the reference snapshot;
+``apply_kl_penalty`` with the trainer's KL controller (``core_algos.get_kl_controller``) or
+``token_level_rewards = token_level_scores``; ``compute_rollout_correction_and_add_to_batch``
+when the batch has the rollout's log-probs (verl's rollout returns them by default);
+``compute_advantage``, the trainer's own ``_update_actor`` (verl's ``ppo_loss`` adds the KL
+loss, workers/utils/losses.py:132-142), ``reduce_metrics`` as fit reduces the actor's output,
+and fit's ``compute_data_metrics``; ``steps`` times on the same batch with the same workers
+(:func:`fit_step`). ``self`` of those trainer methods is a bare ``RayPPOTrainer`` with the
+config and worker-group stand-ins (:class:`LocalWorkerGroup`). Nothing verl computes is
+re-implemented.
 
 Only what this step maps is accepted (:func:`unsupported`): no critic, vanilla / gspo / cispo
 losses, KL as verl computes it, token / sequence rollout IS; float32 (a float64 config runs in
@@ -298,7 +299,9 @@ def _verl_config(overrides: dict[str, Any], config_file: str = DEFAULT_CONFIG):
 
 def rollout_proto(tensors: dict[str, torch.Tensor], cfg):
     """rlaudit's batch as verl's rollout hands it to the trainer: verl's layout (verl_tensors),
-    int64 response mask, the score on the last response token, string uids."""
+    int64 response mask, the score on the last response token, string uids, and the sampler's
+    ``rollout_log_probs`` (0 past each response) when the batch has them and verl's rollout
+    computes them (``rollout.calculate_log_probs``, on in verl's defaults)."""
     # lazy: verl is an optional peer
     from verl import DataProto
     mask = tensors["response_mask"]
