@@ -138,6 +138,7 @@ class VerlAdapter(TargetAdapter):
                              for e in ("fsdp", "megatron") if e in impls)
         if impls.get("fsdp") == "engine":
             self.differences += verl_step.train_differences(self.version)
+            self.metric_reduction = {**self.metric_reduction, **verl_step.TRAIN_REDUCTION}
         elif "legacy" in impls.values():
             # metric_reduction stays the stage functions' (pg_loss a contribution under global
             # counts): the legacy actors pass none, the bug of verl #5863 (docs/peers.md); the
@@ -284,8 +285,9 @@ class VerlAdapter(TargetAdapter):
                    device="cpu"):
         """verl's step on its first engine (:attr:`engines`: FSDP when the release has it);
         ``--target verl`` runs every engine, each its own column."""
-        return self.engines[0].train_step(model_path=model_path, batch=batch, config=config,
-                                          steps=steps, device=device)
+        return self.engines[0].train_step(model_path=model_path, ref_model_path=ref_model_path,
+                                          batch=batch, config=config, steps=steps,
+                                          device=device)
 
     # ---- micro-batching ----------------------------------------------------------------------
     def make_microbatches(self, batch: RolloutBatch, *, dp_size: int,

@@ -43,10 +43,21 @@ FIXED = {
     f"{ACTOR}use_torch_compile": "as fsdp_config.use_torch_compile",
     f"{ACTOR}shuffle": "False: the adapter declines actor.shuffle (verl shuffles with its own "
                        "seed per rank: rows cannot be matched to rlaudit's)",
-    f"{ACTOR}use_kl_loss": "False: the adapter declines the KL loss (no reference worker in "
-                           "its step yet); kl_loss_coef and kl_loss_type are then unread",
-    "algorithm.use_kl_in_reward": "False: the adapter declines KL in reward (no reference "
-                                  "worker); kl_penalty and kl_ctrl are then unread",
+    "algorithm.kl_ctrl.type": "the fixed controller: rlaudit's KL-in-reward coefficient is a "
+                              "constant (algorithm.kl_coef, mapped to kl_ctrl.kl_coef)",
+    "algorithm.rollout_correction.rollout_rs": "None: rejection sampling drops tokens from "
+                                               "response_mask; no rlaudit counterpart",
+    "algorithm.rollout_correction.rollout_rs_threshold": "None: rollout_rs only",
+    "algorithm.rollout_correction.bypass_mode": "False: decoupled mode (old log-probs "
+                                                "recomputed), as rlaudit's reference",
+    "algorithm.rollout_correction.rollout_is_batch_normalize": "False: no rlaudit counterpart "
+                                                               "(weights rescaled to mean 1)",
+    **{f"actor_rollout_ref.ref.{k}": "the reference worker's engine as the actor's (float32 "
+                                     "FSDP2 on the CPU audit; verl_kl.reference_overrides "
+                                     "says why)"
+       for k in ("fsdp_config.strategy",
+                 "fsdp_config.dtype", "fsdp_config.model_dtype", "fsdp_config.mixed_precision",
+                 "fsdp_config.use_torch_compile", "fsdp_config.forward_only", "optim")},
 }
 
 #: keys ``verl_overrides`` maps from rlaudit's config that no scenario or fuzz draw varies for
@@ -77,8 +88,6 @@ NOT_SET = {
                                         "loss)",
     f"{ACTOR}policy_loss.ppo_kl_coef": "n/a: loss_mode kl_cov only",
     f"{ACTOR}policy_loss.dro_beta": "n/a: loss_mode dro only (not mapped: no rlaudit loss)",
-    f"{ACTOR}kl_loss_coef": "unread: use_kl_loss is False (the adapter declines the KL loss)",
-    f"{ACTOR}kl_loss_type": "unread: use_kl_loss is False",
     f"{ACTOR}calculate_sum_pi_squared": "n/a: only the optimal-token-baseline estimators read "
                                         "it (not mapped: no rlaudit estimator)",
     f"{ACTOR}grad_clip": "the engine clips with optim.clip_grad (mapped, varied); this "
@@ -123,10 +132,9 @@ NOT_SET = {
     f"{ACTOR}checkpoint.": "no effect: checkpoint contents and saving",
     f"{ACTOR}profiler.": "no effect: profiling",
     # algorithm
-    "algorithm.kl_penalty": "unread: use_kl_in_reward is False (declined)",
-    "algorithm.kl_ctrl.": "unread: use_kl_in_reward is False (declined)",
-    "algorithm.rollout_correction.": "n/a: the adapter declines rollout correction (its step "
-                                     "has no rollout log-probs path yet)",
+    "algorithm.kl_ctrl.": "unread: the adaptive controller's (kl_ctrl.type is fixed)",
+    "algorithm.rollout_correction.": "unread: bypass mode's policy loss (bypass_mode is fixed "
+                                     "False)",
     "algorithm.filter_groups.": "n/a: DAPO's group filter runs in the recipe's fit loop, before "
                                 "this step; rlaudit hands verl the rows its reference keeps "
                                 "(filter_groups is audited as a stage)",

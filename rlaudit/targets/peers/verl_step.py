@@ -40,17 +40,33 @@ from rlaudit.targets.run.target_backend import replayed_runs
 #: rlaudit's ``actor/entropy`` is. fit()'s own ``actor/entropy`` is the old-log-prob pass's
 #: (the policy before the update, over the whole batch, whatever calculate_entropy says): no
 #: catalogue name, not reported
-RENAMES = {"actor/entropy_loss": "actor/entropy", "actor/entropy": None}
+RENAMES = {"actor/entropy_loss": "actor/entropy", "actor/entropy": None,
+           # apply_kl_penalty logs the KL itself (no coefficient) as a mean over rows of each
+           # row's token-mean (ray_trainer.py:108-115 at v0.9.1); rlaudit's is kl_coef x the
+           # token-mean: another quantity, not reported
+           "actor/reward_kl_penalty": None,
+           # the token-mean of the (truncated) IS weights over the batch, as rlaudit's
+           # (rollout_corr_helper.py:712,723)
+           "rollout_corr/rollout_is_mean": "rollout_corr/is_weight_mean",
+           # a mean over every row of each row's token-mean (rollout_corr_helper.py:980);
+           # rlaudit's is over the rows with a response: another quantity on a batch with an
+           # empty response, not reported
+           "rollout_corr/log_ppl_diff": None}
 #: what fit() logs under rlaudit's catalogue names in every configuration this step runs
 #: (verl's others, e.g. ``perf/*``, have no catalogue name)
 TRAIN_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
                  "actor/ppo_kl", "actor/grad_norm", "actor/lr", "actor/loss",
                  "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
                  "critic/returns/mean")
+#: how the engine workers reduce what train_step adds to the stage functions' metrics:
+#: ``kl_loss`` is aggregated like the policy loss with the global counts and logged with its
+#: aggregation (losses.py:136-141 at v0.9.1): summed over micro-batches, a contribution
+TRAIN_REDUCTION = {"actor/kl_loss": "contribution"}
 #: verl's step tensors -> rlaudit's names (TrainStepOutput.tokens)
 TOKENS = {"old_log_probs": "old_log_probs", "advantages": "advantages", "returns": "returns",
           "token_level_scores": "token_level_scores",
-          "token_level_rewards": "token_level_rewards"}
+          "token_level_rewards": "token_level_rewards", "ref_log_prob": "ref_log_probs",
+          "rollout_is_weights": "rollout_is_weights"}
 _BLOB = "https://github.com/verl-project/verl/blob/v{v}/verl/"
 #: training steps a declared per-step case is spelled out for
 MAX_STEPS = 8
@@ -149,6 +165,14 @@ def train_differences(version: str) -> tuple[Difference, ...]:
             cases=tuple(f"variant microbatch:tokens: step {s}: actor/{m} ="
                         for s in range(MAX_STEPS)
                         for m in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"))),
+        Difference(
+            "rollout-k3-kl-in-float32",
+            reason="the train-vs-rollout mismatch metric rollout_corr/k3_kl is exp(d) - d - 1 "
+                   "on the trainer's float32 log-probs: where the rollout replays the same "
+                   "weights (|d| ~ 1e-6) the rounding of exp(d) dominates and the mean can fall "
+                   "below 0 by ~1e-9; backend-parity still compares it with the reference",
+            link=at + "trainer/ppo/rollout_corr_helper.py#L965",
+            checks=("sanity-bounds",), cases=("rollout_corr/k3_kl =",)),
     )
 
 
@@ -177,7 +201,42 @@ def catalogue_metrics(step: dict, renames: dict = RENAMES) -> dict:
     return out
 
 
-def output(result: dict, batch: RolloutBatch, renames: dict = RENAMES) -> TrainStepOutput:
+def correction_renames(config: Config | None) -> dict:
+    """verl's share of IS weights outside the bounds under rlaudit's ``is_clipfrac`` where it
+    counts the same things for ``config``: ``rollout_is_ratio_fraction_high`` under truncation
+    (the valid tokens above the threshold at token level, the rows above it at sequence level;
+    rollout_corr_helper.py:717, 728 at v0.9.1), ``rollout_is_oob_ratio`` (the valid tokens
+    outside the band) under IcePop's mask at token level (616-621)."""
+    rc = None if config is None else config.actor.rollout_correction
+    if rc is None or rc.rollout_is is None:
+        return {}
+    if rc.rollout_is_mode == "truncate":
+        return {"rollout_corr/rollout_is_ratio_fraction_high": "rollout_corr/is_clipfrac"}
+    return {"rollout_corr/rollout_is_oob_ratio": "rollout_corr/is_clipfrac"}
+
+
+def per_responding_row(step: dict, config: Config | None, batch: RolloutBatch) -> dict:
+    """``step``'s sequence-level ``is_clipfrac`` over the rows with a response, as rlaudit
+    counts it: verl divides its count of rows above the threshold by every row
+    (``exceeds_upper.float().mean()``, rollout_corr_helper.py:717 at v0.9.1), and an empty row's
+    log-ratio sum is 0, above the threshold exactly when it is below 1. The count is verl's;
+    only the denominator changes."""
+    rc = None if config is None else config.actor.rollout_correction
+    name = "rollout_corr/is_clipfrac"
+    if rc is None or rc.rollout_is != "sequence" or name not in step:
+        return step
+    rows = len(batch)
+    empty = int((batch["response_lengths"] == 0).sum())
+    if not empty or empty == rows:
+        return step
+    above = round(float(step[name]) * rows)
+    if rc.rollout_is_threshold < 1:
+        above -= empty
+    return {**step, name: above / (rows - empty)}
+
+
+def output(result: dict, batch: RolloutBatch, renames: dict = RENAMES,
+           config: Config | None = None) -> TrainStepOutput:
     """verl_train's rank-0 result as a TrainStepOutput: catalogue metrics per step, step 0's
     tensors (the old-log-prob pass is the initial policy's log-probs and entropy at the rollout
     temperature) as float64 ``[B, R]`` (from verl's response width, verl_layout), 0 where
@@ -188,11 +247,14 @@ def output(result: dict, batch: RolloutBatch, renames: dict = RENAMES) -> TrainS
         return torch.where(mask, to_batch_width(t, mask.shape[1]).double(), 0.0)
 
     tokens = result["tokens"]
+    renames = {**renames, **correction_renames(config)}
     return TrainStepOutput(
-        metrics=[catalogue_metrics(step, renames) for step in result["metrics"]],
+        metrics=[per_responding_row(catalogue_metrics(step, renames), config, batch)
+                 for step in result["metrics"]],
         log_probs=per_token(tokens["old_log_probs"]),
         entropy=per_token(tokens["entropys"]),
-        tokens={ours: per_token(tokens[theirs]) for theirs, ours in TOKENS.items()},
+        tokens={ours: per_token(tokens[theirs]) for theirs, ours in TOKENS.items()
+                if theirs in tokens},
         params=result["params"])
 
 
@@ -216,14 +278,15 @@ class VerlEngine:
 
     def train_step(self, *, model_path, ref_model_path=None, batch, config, steps=1,
                    device="cpu"):
-        """verl's step on this engine, ``steps`` times on ``batch``; ``ref_model_path`` is
-        unused (no KL term is mapped: :meth:`supports`)."""
+        """verl's step on this engine, ``steps`` times on ``batch``; ``ref_model_path``: the
+        reference policy of a KL term (None: the model)."""
         self.refuse_release()
         why = rows_unsupported(config, len(batch), self.dp)
         if why:
             raise NotImplementedError(why)
-        (result,) = run_jobs(self, model_path, [(batch, config, steps)], device)
-        return output(result, batch, self.renames)
+        (result,) = run_jobs(self, model_path, [(batch, config, steps)], device,
+                             ref_model=ref_model_path)
+        return output(result, batch, self.renames, config)
 
     def replay(self, request):
         """Every supported variant of a scenario in one group of ranks (:func:`replay`)."""
@@ -256,18 +319,21 @@ def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
 
     def train_all(vs):
         results = run_jobs(engine, request.model, [(v.batch, v.config, v.steps) for v in vs],
-                           request.device)
-        return [output(r, v.batch, engine.renames) for r, v in zip(results, vs)]
+                           request.device, ref_model=request.ref_model)
+        return [output(r, v.batch, engine.renames, v.config) for r, v in zip(results, vs)]
 
     return replayed_runs(request, variants, train_all, source=f"{engine.name}.train_step")
 
 
-def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str) -> list[dict]:
-    """``(batch, config, steps)`` jobs on ``engine``, in one group of ranks."""
+def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str,
+             ref_model=None) -> list[dict]:
+    """``(batch, config, steps)`` jobs on ``engine``, in one group of ranks; ``ref_model``: the
+    reference snapshot of the FSDP engine's KL terms (the others refuse KL)."""
     if engine.impl == "legacy":
         module = verl_megatron if engine.engine == "megatron" else verl_dp_actor
         return module.train_steps(model_path, jobs, peer=engine.peer, device=device)
     if engine.engine == "megatron":           # on the CPU: verl_mcore.blocked raises
         return verl_mcore.train_steps(model_path, jobs, peer=engine.peer,
                                       version=engine.target.version, device=device)
-    return train_steps(model_path, jobs, dp=engine.dp, peer=engine.peer, device=device)
+    return train_steps(model_path, jobs, dp=engine.dp, peer=engine.peer, device=device,
+                       ref_model_path=ref_model)

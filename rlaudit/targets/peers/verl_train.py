@@ -9,18 +9,27 @@ process group already up) selects the CPU platform (``verl_cpu``), builds verl's
 the overrides :func:`verl_overrides` maps from rlaudit's :class:`~rlaudit.config.Config`, runs its
 ``init_model`` (FSDP2 engine), and then the post-generation part of ``RayPPOTrainer.fit`` in fit's
 order (verl 0.9.1 trainer/ppo/ray_trainer.py:1586-1690): the trainer's own
-``_compute_old_log_prob``, ``token_level_rewards = token_level_scores`` (no KL in reward),
-``compute_advantage``, the trainer's own ``_update_actor``, ``reduce_metrics`` as fit reduces
-the actor's output, and fit's ``compute_data_metrics``; ``steps`` times on the same batch with the
-same worker (:func:`fit_step`). ``self`` of those trainer methods is a bare ``RayPPOTrainer`` with the config
-and a worker-group stand-in (:class:`LocalWorkerGroup`). Nothing verl computes is re-implemented.
+``_compute_old_log_prob``; with a KL term (verl's ``need_reference_policy``) the trainer's
+own ``_compute_ref_log_prob`` on a second ``ActorRolloutRefWorker`` of role ``ref`` (fit's
+standalone reference worker group, Role.RefPolicy) loaded from the reference snapshot;
+``apply_kl_penalty`` with the trainer's KL controller (``core_algos.get_kl_controller``) or
+``token_level_rewards = token_level_scores``; ``compute_rollout_correction_and_add_to_batch``
+when the batch has the rollout's log-probs (verl's rollout returns them by default);
+``compute_advantage``, the trainer's own ``_update_actor`` (verl's ``ppo_loss`` adds the KL
+loss, workers/utils/losses.py:132-142), ``reduce_metrics`` as fit reduces the actor's output,
+and fit's ``compute_data_metrics``; ``steps`` times on the same batch with the same workers
+(:func:`fit_step`). ``self`` of those trainer methods is a bare ``RayPPOTrainer`` with the
+config and worker-group stand-ins (:class:`LocalWorkerGroup`). Nothing verl computes is
+re-implemented.
 
-Only what this step maps is accepted (:func:`unsupported`): no KL (loss or reward), no critic, no
-rollout correction, vanilla / gspo / cispo losses; float32 (a float64 config runs in float32).
+Only what this step maps is accepted (:func:`unsupported`): no critic, vanilla / gspo / cispo
+losses, KL as verl computes it, token / sequence rollout IS; float32 (a float64 config runs in
+float32).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -33,7 +42,9 @@ from rlaudit.backends.launch import launch
 from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.peers.registry import peers_dir
-from rlaudit.targets.peers.verl_layout import verl_tensors
+from rlaudit.targets.peers.verl_kl import (kl_refusals, reference_overrides, reference_policy,
+                                           rollout_correction_overrides, shape_rewards)
+from rlaudit.targets.peers.verl_layout import to_batch_width, verl_tensors
 from rlaudit.update.collectives import full_params
 
 #: verl's own defaults, inside the installed package
@@ -51,14 +62,9 @@ def unsupported(cfg: Config) -> list[str]:
     float32, verl's widest training dtype (verl/utils/torch_dtypes.py:61-69): the adapter
     declares ``train_precision = "float32"``, so comparisons use its tolerances."""
     a, act, t = cfg.algorithm, cfg.actor, cfg.trainer
-    rc = act.rollout_correction
     checks = {
         f"algorithm.adv_estimator={a.adv_estimator!r} (critic/GAE not mapped)":
             a.adv_estimator not in ESTIMATORS,
-        "KL (actor.use_kl_loss / algorithm.use_kl_in_reward: no reference worker yet)":
-            act.use_kl_loss or a.use_kl_in_reward,
-        "rollout correction (actor.rollout_correction)":
-            rc.rollout_is is not None or rc.use_rollout_kl_loss,
         f"actor.loss_mode={act.loss_mode!r}": act.loss_mode not in ("vanilla", "gspo", "cispo"),
         "actor.gspo_gradient=sequence (verl differentiates GSPO per token)":
             act.gspo_gradient != "per-token",
@@ -81,6 +87,7 @@ def unsupported(cfg: Config) -> list[str]:
         "rollout.n % ppo_micro_batch_size_per_gpu)": not act.use_dynamic_bsz and (
             act.ppo_mini_batch_size * cfg.rollout.n) % act.ppo_micro_batch_size_per_gpu != 0,
     }
+    checks.update(kl_refusals(cfg))
     return [why for why, bad in checks.items() if bad]
 
 
@@ -132,7 +139,8 @@ def verl_overrides(cfg: Config, *, model_path: str, dp: int, rows: int | None = 
         f"{actor}.policy_loss.loss_mode": act.loss_mode,
         f"{actor}.entropy_coeff": act.entropy_coeff,
         f"{actor}.calculate_entropy": act.calculate_entropy,
-        f"{actor}.use_kl_loss": False,
+        f"{actor}.use_kl_loss": act.use_kl_loss, f"{actor}.kl_loss_type": act.kl_loss_type,
+        f"{actor}.kl_loss_coef": act.kl_loss_coef,
         f"{actor}.optim.optimizer": OPTIMIZERS[act.optim.name],
         f"{actor}.optim.lr": act.optim.lr, f"{actor}.optim.weight_decay": act.optim.weight_decay,
         f"{actor}.optim.betas": list(act.optim.betas),
@@ -145,33 +153,42 @@ def verl_overrides(cfg: Config, *, model_path: str, dp: int, rows: int | None = 
         f"{ar}.rollout.log_prob_micro_batch_size_per_gpu": micro,
         "algorithm.adv_estimator": estimator, "algorithm.gamma": a.gamma, "algorithm.lam": a.lam,
         "algorithm.norm_adv_by_std_in_grpo": a.norm_adv_by_std_in_grpo if norm is None else norm,
-        "algorithm.use_kl_in_reward": False,
+        "algorithm.use_kl_in_reward": a.use_kl_in_reward, "algorithm.kl_penalty": a.kl_penalty,
+        # rlaudit's KL-in-reward coefficient is constant: verl's fixed controller
+        "algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.kl_coef": a.kl_coef,
+        **reference_overrides(micro, device),
+        **rollout_correction_overrides(cfg),
     }
 
 
 def train_step(model_path, batch: RolloutBatch, cfg: Config, *, dp: int = 1, steps: int = 1,
                version: str = "0.9.1", peer: str | None = None, params: bool = True,
-               device: str = "cpu", backend: str | None = None, timeout: float = 300.0) -> dict:
+               device: str = "cpu", backend: str | None = None, timeout: float = 300.0,
+               ref_model_path=None) -> dict:
     """``steps`` training steps of verl ``version`` (installed under the peers directory; or the
     one whose package lies in ``peer``) on ``batch`` over ``dp`` ranks (gloo on ``cpu``, NCCL on
-    ``cuda``, or ``backend``). Returns rank 0's result (:func:`train_rank`)."""
+    ``cuda``, or ``backend``). ``ref_model_path``: the reference policy's snapshot (None: the
+    model's, as verl's reference is). Returns rank 0's result (:func:`train_rank`)."""
     return train_steps(model_path, [(batch, cfg, steps)], dp=dp, version=version, peer=peer,
-                       params=params, device=device, backend=backend, timeout=timeout)[0]
+                       params=params, device=device, backend=backend, timeout=timeout,
+                       ref_model_path=ref_model_path)[0]
 
 
 def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, dp: int = 1,
                 version: str = "0.9.1", peer: str | None = None, params: bool = True,
                 device: str = "cpu", backend: str | None = None,
-                timeout: float = 300.0) -> list[dict]:
+                timeout: float = 300.0, ref_model_path=None, rank=None) -> list[dict]:
     """:func:`train_step` for each ``(batch, config, steps)`` of ``jobs``, one after the other in
-    one group of ranks (verl imported once; a fresh worker per job). ``timeout`` is per job."""
+    one group of ranks (verl imported once; fresh workers per job). ``timeout`` is per job.
+    ``rank``: the rank body, ``fn(info, request)`` (default :func:`train_rank`)."""
     for _batch, cfg, _steps in jobs:
         bad = unsupported(cfg)
         if bad:
             raise NotImplementedError(f"verl train_step does not map: {'; '.join(bad)}")
+    ref = str(ref_model_path or model_path)
     request = {"peer": peer or str(peers_dir() / f"verl-{version}"), "params": params,
                "device": device,
-               "jobs": [{"steps": steps,
+               "jobs": [{"steps": steps, "ref_model": ref,
                          "tensors": verl_tensors(batch, width=cfg.rollout.response_length),
                          "overrides": verl_overrides(cfg, model_path=str(model_path), dp=dp,
                                                      rows=len(batch), device=device)}
@@ -180,8 +197,8 @@ def train_steps(model_path, jobs: list[tuple[RolloutBatch, Config, int]], *, dp:
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if device == "cpu":
         env["VERL_PLATFORM"] = "cpu"
-    return launch(train_rank, dp, args=(request,), env=env, timeout=timeout * len(jobs),
-                  device=device, backend=backend)[0]
+    return launch(rank or train_rank, dp, args=(request,), env=env,
+                  timeout=timeout * len(jobs), device=device, backend=backend)[0]
 
 
 def train_rank(info, request: dict) -> list[dict]:
@@ -218,6 +235,9 @@ def train_job(info, job: dict, *, params: bool, config_file: str = DEFAULT_CONFI
     trainer = RayPPOTrainer.__new__(RayPPOTrainer)
     trainer.config = cfg
     trainer.actor_rollout_wg = LocalWorkerGroup(worker, info.rank, info.world_size)
+    ref = reference_policy(trainer, job.get("ref_model"))
+    if ref is not None:
+        trainer.ref_policy_wg = LocalWorkerGroup(ref, info.rank, info.world_size)
     result: dict[str, Any] = {"metrics": [], "raw_metrics": [], "params": []}
     for step in range(job["steps"]):
         metrics, raw, tokens = fit_step(trainer, rollout_proto(job["tensors"], cfg))
@@ -234,7 +254,8 @@ def train_job(info, job: dict, *, params: bool, config_file: str = DEFAULT_CONFI
 def fit_step(trainer, batch) -> tuple[dict, dict, dict]:
     """The post-generation part of one ``RayPPOTrainer.fit`` iteration (verl 0.9.1
     ray_trainer.py:1586-1772) with the trainer's own methods: old log-probs (with the initial
-    policy's entropy, which that pass always computes), rewards = scores (no KL in reward, 1643),
+    policy's entropy, which that pass always computes), reference log-probs when a KL term needs
+    them (1618-1622), rewards and rollout correction (:func:`shape_rewards`),
     ``compute_advantage``, ``_update_actor``, ``reduce_metrics`` of the actor's output, and
     ``compute_data_metrics`` (1772). Returns (reduced metrics, verl's raw lists, step tensors).
     fit's own ``actor/entropy`` (the old-log-prob pass's entropy, 1590) is left out: rlaudit's
@@ -248,18 +269,20 @@ def fit_step(trainer, batch) -> tuple[dict, dict, dict]:
     old, _mfu = RayPPOTrainer._compute_old_log_prob(trainer, batch)
     entropys = old.batch.pop("entropys")
     batch = batch.union(old)
-    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+    if trainer.use_reference_policy:
+        batch = batch.union(RayPPOTrainer._compute_ref_log_prob(trainer, batch))
+    batch, metrics = shape_rewards(trainer, batch)
     alg = cfg.algorithm
     batch = compute_advantage(batch, adv_estimator=alg.adv_estimator, gamma=alg.gamma,
                               lam=alg.lam, num_repeat=cfg.actor_rollout_ref.rollout.n,
                               norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, config=alg)
     out = RayPPOTrainer._update_actor(trainer, batch)
     raw = out.meta_info["metrics"]
-    metrics = {k: float(v) for k, v in reduce_metrics(raw).items()}
+    metrics.update({k: float(v) for k, v in reduce_metrics(raw).items()})
     metrics.update(compute_data_metrics(batch=batch, use_critic=False))
-    tokens = {k: batch.batch[k].detach().clone() for k in
-              ("old_log_probs", "advantages", "returns", "token_level_scores",
-               "token_level_rewards")}
+    kept = ("old_log_probs", "advantages", "returns", "token_level_scores",
+            "token_level_rewards", "ref_log_prob", "rollout_is_weights")
+    tokens = {k: batch.batch[k].detach().clone() for k in kept if k in batch.batch.keys()}
     tokens["entropys"] = entropys.detach().clone()
     return metrics, {k: _plain(v) for k, v in raw.items()}, tokens
 
@@ -276,7 +299,9 @@ def _verl_config(overrides: dict[str, Any], config_file: str = DEFAULT_CONFIG):
 
 def rollout_proto(tensors: dict[str, torch.Tensor], cfg):
     """rlaudit's batch as verl's rollout hands it to the trainer: verl's layout (verl_tensors),
-    int64 response mask, the score on the last response token, string uids."""
+    int64 response mask, the score on the last response token, string uids, and the sampler's
+    ``rollout_log_probs`` (0 past each response) when the batch has them and verl's rollout
+    computes them (``rollout.calculate_log_probs``, on in verl's defaults)."""
     # lazy: verl is an optional peer
     from verl import DataProto
     mask = tensors["response_mask"]
@@ -285,6 +310,9 @@ def rollout_proto(tensors: dict[str, torch.Tensor], cfg):
     scores.scatter_(1, last.unsqueeze(1), tensors["scores"].float().unsqueeze(1))
     keep = ("input_ids", "attention_mask", "position_ids", "responses")
     data = {k: tensors[k] for k in keep}
+    if cfg.actor_rollout_ref.rollout.calculate_log_probs and "rollout_log_probs" in tensors:
+        data["rollout_log_probs"] = torch.where(
+            mask.bool(), to_batch_width(tensors["rollout_log_probs"], mask.shape[1]).float(), 0.0)
     data.update(prompts=tensors["input_ids"][:, :tensors["prompt_ids"].shape[1]],
                 response_mask=mask.to(torch.int64), token_level_scores=scores)
     uid = np.array([str(int(u)) for u in tensors["uid"]], dtype=object)
@@ -309,9 +337,15 @@ class LocalWorkerGroup:
         return tu.chunk_tensordict(td, self.world)[self.rank] if self.world > 1 else td
 
     def compute_log_prob(self, td):
+        return self._gathered(self.worker.compute_log_prob, td)
+
+    def compute_ref_log_prob(self, td):
+        return self._gathered(self.worker.compute_ref_log_prob, td)
+
+    def _gathered(self, method, td):
         # lazy: verl is an optional peer
         from verl.utils import tensordict_utils as tu
-        out = self.worker.compute_log_prob(self._chunk(td))
+        out = method(self._chunk(td))
         if self.world == 1:
             return out
         outs = [None] * self.world
