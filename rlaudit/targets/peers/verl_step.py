@@ -9,9 +9,10 @@ each with the reference and the two with each other); what drives each (:func:`e
   plugs into verl's platform registry (``verl/plugin/platform``); verl 0.7, the legacy
   ``DataParallelPPOActor`` (verl_dp_actor.py);
 - ``megatron``: verl 0.7, the legacy ``MegatronPPOActor`` on a real megatron-core model
-  (verl_megatron.py); verl >= 0.9, the Megatron engine, which cannot run on the CPU
-  (verl_mcore.py says which call blocks it: the column is unsupported, never red) and runs in
-  bf16 on CUDA (verl_mcore.train_steps).
+  (verl_megatron.py); verl >= 0.9, the Megatron engine (verl_mcore.py) on megatron-core without
+  Transformer Engine (verl_mcore_cpu.py names the two construction steps that stand in), in
+  bf16, all its config accepts: that column declares ``train_precision = "bfloat16"``
+  (rlaudit/targets/run/engines.py compares it, and engine-parity with it, at bf16 tolerances).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from rlaudit.targets.contract.declare import Difference
 from rlaudit.verdict.unsupported import UnsupportedFeature
 from rlaudit.targets.peers.verl_layout import to_batch_width
 from rlaudit.targets.peers import verl_dp_actor, verl_mcore, verl_megatron
-from rlaudit.targets.peers.verl_mcore import cuda
 from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
 from rlaudit.targets.run.target_backend import replayed_runs
 
@@ -115,7 +115,7 @@ def supports(config: Config, *, engine: str | None, impl: str = "engine") -> tup
     elif impl == "legacy":
         why = verl_megatron.unsupported(config)
     else:
-        why = []          # the release's Megatron engine: unsupported as a whole (replay)
+        why = unsupported(config)     # the Megatron engine: verl_train's mapping (verl_mcore)
     return not why, "; ".join(why)
 
 
@@ -207,6 +207,12 @@ class VerlEngine:
         self.dp = target.dp if (engine, impl) == ("fsdp", "engine") else 1
         self.metric_names = MEGATRON_METRICS if impl == "legacy" else TRAIN_METRICS
         self.renames = {} if impl == "legacy" else RENAMES
+        #: another engine class for the Megatron engine's rank (verl_mcore.train_steps'
+        #: ``engine``: a test's broken one); None: verl_mcore_cpu.MegatronEngineCPU
+        self.mcore_engine = None
+        if (engine, impl) == ("megatron", "engine"):
+            #: McoreEngineConfig accepts bf16 / fp16 only (workers/config/engine.py:218)
+            self.train_precision = "bfloat16"
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -247,8 +253,6 @@ def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
     to_variant_run`). A variant whose rows verl would refuse (:func:`~rlaudit.targets.peers.
     verl_train.rows_unsupported`: not whole mini-batches) is not run: its invariants are n/a for
     verl ("not returned")."""
-    if (engine.engine, engine.impl) == ("megatron", "engine") and not cuda(request.device):
-        verl_mcore.blocked(engine.target.version)          # raises UnsupportedFeature
     variants = [v for v in request.variants
                 if not rows_unsupported(v.config, len(v.batch), engine.dp)]
     if not variants:       # every variant's rows are ones verl refuses: nothing ran (n/a)
@@ -267,7 +271,8 @@ def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str) -> list[di
     if engine.impl == "legacy":
         module = verl_megatron if engine.engine == "megatron" else verl_dp_actor
         return module.train_steps(model_path, jobs, peer=engine.peer, device=device)
-    if engine.engine == "megatron":           # on the CPU: verl_mcore.blocked raises
+    if engine.engine == "megatron":
         return verl_mcore.train_steps(model_path, jobs, peer=engine.peer,
-                                      version=engine.target.version, device=device)
+                                      version=engine.target.version, device=device,
+                                      engine=engine.mcore_engine)
     return train_steps(model_path, jobs, dp=engine.dp, peer=engine.peer, device=device)
