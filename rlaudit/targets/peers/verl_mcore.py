@@ -24,6 +24,7 @@ Megatron-Bridge, is not installed), its weights loaded by mbridge from the HF sn
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -106,34 +107,41 @@ def train_steps(model_path, jobs: list, *, peer: str | None = None, version: str
     ``cuda``, or ``backend``): per job the reduced metrics per step, step 0's tensors and (when
     ``params``) the parameters after each step by Hugging Face name (mbridge's export): the
     model's bf16 ones, or with ``params="main"`` the optimizer's float32 main weights
-    (verl_mcore_cpu.hf_params).
-    ``engine``: ``"module:factory"``, a function returning a subclass of verl_mcore_cpu.
-    MegatronEngineCPU to run instead (a test's deliberately broken engine)."""
+    (verl_mcore_cpu.hf_params). ``engine``: ``"module:factory"``, a function returning a
+    subclass of verl_mcore_cpu.MegatronEngineCPU to run instead (a test's broken engine)."""
+    request = mcore_request(model_path, jobs, peer=peer, version=version, device=device,
+                            params=params, engine=engine)
+    # no environment of its own: on the CPU the rank is then forked from the launcher's
+    # forkserver, torch and megatron-core already imported (rlaudit/backends/launch), and sets
+    # what verl reads itself (train_rank)
+    return launch(train_rank, 1, args=(request,), timeout=timeout * len(jobs), device=device,
+                  backend=backend)[0]
+
+
+def mcore_request(model_path, jobs: list, *, peer, version, device, params, engine) -> dict:
+    """The Megatron rank's request: per job verl's tensors and the overrides (verl_train's,
+    through :func:`overrides`)."""
     for _batch, cfg, _steps in jobs:
         bad = verl_train.unsupported(cfg)
         if bad:
             raise NotImplementedError(f"verl train_step does not map: {'; '.join(bad)}")
-    request = {"peer": peer or str(peers_dir() / f"verl-{version}"), "params": params,
-               "device": device, "engine": engine,
-               "jobs": [{"steps": steps,
-                         "tensors": verl_tensors(
-                             batch, width=cfg.rollout.response_length),
-                         "overrides": overrides(
-                             verl_train.verl_overrides(cfg, model_path=str(model_path), dp=1,
-                                                       rows=len(batch), device=device),
-                             cfg.actor.optim.name, cfg.actor.optim.eps, steps)}
-                        for batch, cfg, steps in jobs]}
-    env = {"TOKENIZERS_PARALLELISM": "false", "VERL_ENGINE_DEVICE": ENGINE_DEVICE}
-    if not cuda(device):
-        env["VERL_PLATFORM"] = "cpu"
-    return launch(train_rank, 1, args=(request,), env=env, timeout=timeout * len(jobs),
-                  device=device, backend=backend)[0]
+    return {"peer": peer or str(peers_dir() / f"verl-{version}"), "params": params,
+            "device": device, "engine": engine,
+            "jobs": [{"steps": steps,
+                      "tensors": verl_tensors(batch, width=cfg.rollout.response_length),
+                      "overrides": overrides(
+                          verl_train.verl_overrides(cfg, model_path=str(model_path), dp=1,
+                                                    rows=len(batch), device=device),
+                          cfg.actor.optim.name, cfg.actor.optim.eps, steps)}
+                     for batch, cfg, steps in jobs]}
 
 
 def train_rank(info, request: dict) -> list[dict]:
     """The rank body: verl's directory alone on the path (verl_train.train_rank says why), the
-    CPU platform (without CUDA), megatron-core's CPU views (rlaudit.backends.megatron.compat:
-    a no-op on CUDA), the engine registered (verl_mcore_cpu), then every job."""
+    CPU platform (without CUDA: ``VERL_PLATFORM``, set by verl_cpu.select before verl resolves
+    its platform; the forkserver the rank comes from never imported verl), then the jobs
+    (:func:`run_mcore`)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     peer = request["peer"]
     sys.path[:] = [p for p in sys.path if p == peer or Path(p).parent != Path(peer).parent]
     if peer not in sys.path:
@@ -142,6 +150,13 @@ def train_rank(info, request: dict) -> list[dict]:
         # lazy: verl is an optional peer; the platform must be selected before verl.trainer
         from rlaudit.targets.peers import verl_cpu
         verl_cpu.select()
+    return run_mcore(info, request)
+
+
+def run_mcore(info, request: dict) -> list[dict]:
+    """megatron-core's CPU views (rlaudit.backends.megatron.compat: a no-op on CUDA), the engine
+    registered (verl_mcore_cpu) and selected with verl's ``VERL_ENGINE_DEVICE`` (read when a
+    worker builds its engine, workers/engine/base.py:405), then every job."""
     # lazy: megatron-core, inside the rank only
     from rlaudit.backends.megatron import compat
     from rlaudit.backends.megatron.imports import import_megatron  # lazy: as above
@@ -154,9 +169,11 @@ def train_rank(info, request: dict) -> list[dict]:
         module, factory = request["engine"].split(":")
         cls = getattr(importlib.import_module(module), factory)()
     verl_mcore_cpu.register(ENGINE_DEVICE, cls)
+    os.environ["VERL_ENGINE_DEVICE"] = ENGINE_DEVICE
     try:
         return [train_job(info, job, params=request["params"]) for job in request["jobs"]]
     finally:
+        del os.environ["VERL_ENGINE_DEVICE"]
         compat.teardown_megatron()
 
 
@@ -188,5 +205,6 @@ def train_job(info, job: dict, *, params: bool | str) -> dict:
     return result
 
 
-__all__ = ["ENGINE_DEVICE", "MEGATRON_CONFIG", "OPTIMIZERS", "config_error", "cuda", "overrides", "train_job",
-           "train_rank", "train_steps"]
+__all__ = ["ENGINE_DEVICE", "MEGATRON_CONFIG", "OPTIMIZERS", "config_error", "cuda",
+           "mcore_request", "overrides", "run_mcore", "train_job", "train_rank",
+           "train_steps"]

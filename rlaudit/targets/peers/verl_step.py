@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -210,6 +211,9 @@ class VerlEngine:
         #: another engine class for the Megatron engine's rank (verl_mcore.train_steps'
         #: ``engine``: a test's broken one); None: verl_mcore_cpu.MegatronEngineCPU
         self.mcore_engine = None
+        #: the Megatron column's jobs started beside the FSDP column's (shared_outputs), for
+        #: this column's replay that follows in the same scenario
+        self.prefetched: dict = {}
         if (engine, impl) == ("megatron", "engine"):
             #: McoreEngineConfig accepts bf16 / fp16 only (workers/config/engine.py:218)
             self.train_precision = "bfloat16"
@@ -258,12 +262,58 @@ def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
     if not variants:       # every variant's rows are ones verl refuses: nothing ran (n/a)
         return {}
 
+    held, engine.prefetched = engine.prefetched, {}
+
     def train_all(vs):
+        shared = shared_outputs(engine, request, vs, held)
+        if shared is not None:
+            return shared
         results = run_jobs(engine, request.model, [(v.batch, v.config, v.steps) for v in vs],
                            request.device)
         return [output(r, v.batch, engine.renames) for r, v in zip(results, vs)]
 
     return replayed_runs(request, variants, train_all, source=f"{engine.name}.train_step")
+
+
+def prefetch_key(v) -> tuple:
+    """A variant as both engines' replays of one scenario see it (the same batch and config
+    objects; the TargetBackend hands each engine its own Variant copy)."""
+    return v.name, id(v.batch), id(v.config), v.steps
+
+
+def shared_outputs(engine: VerlEngine, request: ReplayRequest, vs: list,
+                   held: dict) -> list[TrainStepOutput] | None:
+    """The two engine workers of verl >= 0.9 side by side: the FSDP column's replay (dp 1)
+    starts the Megatron column's jobs for the same variants in a thread (their own rank, a
+    process of its own: rlaudit's launcher runs concurrent launches) before running its own, and
+    keeps the pending result in that column's ``prefetched``; the Megatron column's replay, next
+    in the same scenario, collects it when it asks for exactly those variants (its failure
+    raised as its own crash). On two cores the columns' ranks, mostly starting verl and
+    megatron-core, then overlap. None: not shared, the column runs its own jobs."""
+    if (engine.engine, engine.impl) == ("megatron", "engine"):
+        if not held:
+            return None
+        keys, mvs, pending = held["keys"], held["variants"], held["pending"]
+        if keys != [prefetch_key(v) for v in vs]:
+            pending.exception()          # let it finish (its rank holds a core), then run anew
+            return None
+        return [output(r, v.batch, engine.renames) for r, v in zip(pending.result(), mvs)]
+    mega = next((e for e in getattr(engine.target, "engines", ())
+                 if (e.engine, e.impl) == ("megatron", "engine")), None)
+    if (engine.engine, engine.impl) != ("fsdp", "engine") or engine.dp != 1 or mega is None \
+            or release_blocker(mega.engine, mega.impl):
+        return None
+    mvs = [v for v in vs if mega.supports(v.config)[0]
+           and not rows_unsupported(v.config, len(v.batch), mega.dp)]
+    pool = ThreadPoolExecutor(1)
+    pending = pool.submit(run_jobs, mega, request.model,
+                          [(v.batch, v.config, v.steps) for v in mvs], request.device)
+    pool.shutdown(wait=False)
+    mega.prefetched = {"keys": [prefetch_key(v) for v in mvs], "variants": mvs,
+                       "pending": pending}
+    results = run_jobs(engine, request.model, [(v.batch, v.config, v.steps) for v in vs],
+                       request.device)
+    return [output(r, v.batch, engine.renames) for r, v in zip(results, vs)]
 
 
 def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str) -> list[dict]:
