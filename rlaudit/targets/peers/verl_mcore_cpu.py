@@ -7,7 +7,7 @@ What stands in, each for the call of verl / mbridge that cannot run here (verl 0
 mbridge 0.15.1):
 
 1. **The transformer layer spec.** verl builds the model through mbridge (vanilla_mbridge:
-   workers/engine/megatron/transformer_impl.py:350-360, ``AutoBridge.from_config``), whose
+   workers/engine/megatron/transformer_impl.py:331, ``AutoBridge.from_config``), whose
    provider asks megatron-core for the Transformer Engine spec unconditionally
    (mbridge/core/llm_bridge.py:149-151, ``use_transformer_engine=True``: ``NameError: TENorm``
    without TE). :class:`LocalSpecBridge` is the same bridge with megatron-core's local spec
@@ -24,13 +24,15 @@ mbridge 0.15.1):
    (``use_torch_fsdp2`` with ``use_cpu_initialization``, unwrapped: the FSDP2 flag selects
    nothing else without DDP), moves the chunks to the rank's device itself, then wraps them in
    megatron-core's ``DistributedDataParallel`` with the config mbridge would build
-   (util.py:176-228: its defaults updated by verl's ``ddp_config``, no buckets without overlap,
+   (util.py:165-242: its defaults updated by verl's ``ddp_config``, no buckets without overlap,
    parameters broadcast over data parallel).
 
 :class:`MegatronEngineCPU` is verl's ``MegatronEngineWithLMHead`` with only ``_build_tf_config``
-extended to swap the bridge's class for :class:`LocalSpecBridge` (no state of its own): the
-engine's forward_backward_batch, forward_step, logits processor, loss, optimizer and scheduler
-are verl's. megatron-core's own CUDA assumptions (DDP buffers, schedules, optimizer scalars) are
+extended: the bridge verl built there continues as a :class:`LocalSpecBridge` of the same class
+(its state carried over; the mixin has none), and, without CUDA, megatron's RNG tracker is
+seeded (3: verl seeds it only with a device, workers/engine/megatron/utils.py:35; megatron's
+attention forks it). The engine's forward_backward_batch, forward_step, logits processor, loss,
+optimizer and scheduler are verl's. megatron-core's own CUDA assumptions (DDP buffers, schedules, optimizer scalars) are
 rlaudit's Megatron backend's CPU views (rlaudit.backends.megatron.compat), applied only without
 CUDA.
 """
@@ -40,8 +42,8 @@ from __future__ import annotations
 import torch
 from mbridge.core.util import unwrap_model
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import get_model_config
 from verl.workers.engine.base import EngineRegistry

@@ -5,6 +5,7 @@ Megatron column only."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -144,3 +145,24 @@ def test_dropped_entropy_is_red_on_the_megatron_column_only():
     fsdp, mega = got["verl-fsdp-0.9.1"], got["verl-megatron-0.9.1"]
     assert fsdp[0] == "pass", fsdp
     assert mega[0] == "fail" and "entropy" in mega[1], mega
+
+
+def test_engine_parity_at_the_looser_precision():
+    # lazy: the run-level machinery, only for this test
+    from types import SimpleNamespace
+
+    from rlaudit.targets.contract.declare import RUN_TOLERANCES
+    from rlaudit.targets.inputs import builtin
+    from rlaudit.targets.run.engines import at_precision
+
+    fp32, bf16 = RUN_TOLERANCES["float32"], RUN_TOLERANCES["bfloat16"]
+    scn = dataclasses.replace(builtin.scenario(builtin.tiny_model_path()), tol_floor=fp32)
+    fsdp = SimpleNamespace(train_precision="float32")
+    mega = SimpleNamespace(train_precision="bfloat16")
+    assert bf16.rtol > fp32.rtol and bf16.atol > fp32.atol
+    # the Megatron column, and the comparison of the two engines, at bf16's floor
+    assert at_precision(scn, mega).tol_floor == bf16
+    assert at_precision(scn, fsdp, mega).tol_floor == bf16
+    # the FSDP column keeps float32's: no fp32 tolerance is loosened
+    assert at_precision(scn, fsdp).tol_floor == fp32
+    assert at_precision(scn, SimpleNamespace()).tol_floor == fp32
