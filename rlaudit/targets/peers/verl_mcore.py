@@ -86,9 +86,13 @@ def overrides(fsdp: dict[str, Any], optimizer: str, eps: float, steps: int = 1
         f"{actor}.megatron.use_distributed_optimizer": False,
         # mbridge (verl's legacy bridge) is what is installed; Megatron-Bridge is not
         f"{actor}.megatron.vanilla_mbridge": True,
-        # megatron-core's local layers allocate on torch.cuda.current_device() otherwise
-        # (the rank moves the model to its device: verl_mcore_cpu.LocalSpecBridge.get_model)
-        f"{actor}.megatron.override_transformer_config": {"use_cpu_initialization": True},
+        # use_cpu_initialization: megatron-core's local layers allocate on
+        # torch.cuda.current_device() otherwise (the rank moves the model to its device:
+        # verl_mcore_cpu.LocalSpecBridge.get_model); masked_softmax_fusion: the local
+        # attention's bf16 softmax would load megatron's CUDA kernel (scaled_masked_softmax_cuda)
+        # for sequences longer than 16; unfused it is the same softmax in torch
+        f"{actor}.megatron.override_transformer_config": {"use_cpu_initialization": True,
+                                                          "masked_softmax_fusion": False},
         f"{actor}.optim.optimizer": OPTIMIZERS[optimizer],
         # what the trainer sets from its data loader (ray_trainer.py _create_dataloader); the
         # scheduler's decay length (verl/utils/megatron/optimizer.py:242), constant lr here
