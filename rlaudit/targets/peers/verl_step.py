@@ -9,15 +9,17 @@ each with the reference and the two with each other); what drives each (:func:`e
   plugs into verl's platform registry (``verl/plugin/platform``); verl 0.7, the legacy
   ``DataParallelPPOActor`` (verl_dp_actor.py);
 - ``megatron``: verl 0.7, the legacy ``MegatronPPOActor`` on a real megatron-core model
-  (verl_megatron.py); verl >= 0.9, the Megatron engine, which cannot run on the CPU
-  (verl_mcore.py says which call blocks it: the column is unsupported, never red) and runs in
-  bf16 on CUDA (verl_mcore.train_steps).
+  (verl_megatron.py); verl >= 0.9, the Megatron engine (verl_mcore.py) on megatron-core without
+  Transformer Engine (verl_mcore_cpu.py names the two construction steps that stand in), in
+  bf16, all its config accepts: that column declares ``train_precision = "bfloat16"``
+  (rlaudit/targets/run/engines.py compares it, and engine-parity with it, at bf16 tolerances).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -30,7 +32,6 @@ from rlaudit.targets.contract.declare import Difference
 from rlaudit.verdict.unsupported import UnsupportedFeature
 from rlaudit.targets.peers.verl_layout import to_batch_width
 from rlaudit.targets.peers import verl_dp_actor, verl_mcore, verl_megatron
-from rlaudit.targets.peers.verl_mcore import cuda
 from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
 from rlaudit.targets.run.target_backend import replayed_runs
 
@@ -131,7 +132,10 @@ def supports(config: Config, *, engine: str | None, impl: str = "engine") -> tup
     elif impl == "legacy":
         why = verl_megatron.unsupported(config)
     else:
-        why = []          # the release's Megatron engine: unsupported as a whole (replay)
+        why = unsupported(config)     # the Megatron engine: verl_train's mapping (verl_mcore)
+        if config.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+            why.append("KL (actor.use_kl_loss / algorithm.use_kl_in_reward): the Megatron "
+                       "column builds no reference worker")
     return not why, "; ".join(why)
 
 
@@ -269,6 +273,15 @@ class VerlEngine:
         self.dp = target.dp if (engine, impl) == ("fsdp", "engine") else 1
         self.metric_names = MEGATRON_METRICS if impl == "legacy" else TRAIN_METRICS
         self.renames = {} if impl == "legacy" else RENAMES
+        #: another engine class for the Megatron engine's rank (verl_mcore.train_steps'
+        #: ``engine``: a test's broken one); None: verl_mcore_cpu.MegatronEngineCPU
+        self.mcore_engine = None
+        #: the Megatron column's jobs started beside the FSDP column's (shared_outputs), for
+        #: this column's replay that follows in the same scenario
+        self.prefetched: dict = {}
+        if (engine, impl) == ("megatron", "engine"):
+            #: McoreEngineConfig accepts bf16 / fp16 only (workers/config/engine.py:218)
+            self.train_precision = "bfloat16"
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -310,19 +323,63 @@ def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
     to_variant_run`). A variant whose rows verl would refuse (:func:`~rlaudit.targets.peers.
     verl_train.rows_unsupported`: not whole mini-batches) is not run: its invariants are n/a for
     verl ("not returned")."""
-    if (engine.engine, engine.impl) == ("megatron", "engine") and not cuda(request.device):
-        verl_mcore.blocked(engine.target.version)          # raises UnsupportedFeature
     variants = [v for v in request.variants
                 if not rows_unsupported(v.config, len(v.batch), engine.dp)]
     if not variants:       # every variant's rows are ones verl refuses: nothing ran (n/a)
         return {}
 
+    held, engine.prefetched = engine.prefetched, {}
+
     def train_all(vs):
+        shared = shared_outputs(engine, request, vs, held)
+        if shared is not None:
+            return shared
         results = run_jobs(engine, request.model, [(v.batch, v.config, v.steps) for v in vs],
                            request.device, ref_model=request.ref_model)
         return [output(r, v.batch, engine.renames, v.config) for r, v in zip(results, vs)]
 
     return replayed_runs(request, variants, train_all, source=f"{engine.name}.train_step")
+
+
+def prefetch_key(v) -> tuple:
+    """A variant as both engines' replays of one scenario see it (the same batch and config
+    objects; the TargetBackend hands each engine its own Variant copy)."""
+    return v.name, id(v.batch), id(v.config), v.steps
+
+
+def shared_outputs(engine: VerlEngine, request: ReplayRequest, vs: list,
+                   held: dict) -> list[TrainStepOutput] | None:
+    """The two engine workers of verl >= 0.9 side by side: the FSDP column's replay (dp 1)
+    starts the Megatron column's jobs for the same variants in a thread (their own rank, a
+    process of its own: rlaudit's launcher runs concurrent launches) before running its own, and
+    keeps the pending result in that column's ``prefetched``; the Megatron column's replay, next
+    in the same scenario, collects it when it asks for exactly those variants (its failure
+    raised as its own crash). On two cores the columns' ranks, mostly starting verl and
+    megatron-core, then overlap. None: not shared, the column runs its own jobs."""
+    if (engine.engine, engine.impl) == ("megatron", "engine"):
+        if not held:
+            return None
+        keys, mvs, pending = held["keys"], held["variants"], held["pending"]
+        if keys != [prefetch_key(v) for v in vs]:
+            pending.exception()          # let it finish (its rank holds a core), then run anew
+            return None
+        return [output(r, v.batch, engine.renames) for r, v in zip(pending.result(), mvs)]
+    mega = next((e for e in getattr(engine.target, "engines", ())
+                 if (e.engine, e.impl) == ("megatron", "engine")), None)
+    if (engine.engine, engine.impl) != ("fsdp", "engine") or engine.dp != 1 or mega is None \
+            or release_blocker(mega.engine, mega.impl):
+        return None
+    mvs = [v for v in vs if mega.supports(v.config)[0]
+           and not rows_unsupported(v.config, len(v.batch), mega.dp)]
+    pool = ThreadPoolExecutor(1)
+    pending = pool.submit(run_jobs, mega, request.model,
+                          [(v.batch, v.config, v.steps) for v in mvs], request.device)
+    pool.shutdown(wait=False)
+    mega.prefetched = {"keys": [prefetch_key(v) for v in mvs], "variants": mvs,
+                       "pending": pending}
+    results = run_jobs(engine, request.model, [(v.batch, v.config, v.steps) for v in vs],
+                       request.device, ref_model=request.ref_model)
+    return [output(r, v.batch, engine.renames, v.config) for r, v in zip(results, vs)]
 
 
 def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str,
@@ -332,8 +389,9 @@ def run_jobs(engine: VerlEngine, model_path, jobs: list, device: str,
     if engine.impl == "legacy":
         module = verl_megatron if engine.engine == "megatron" else verl_dp_actor
         return module.train_steps(model_path, jobs, peer=engine.peer, device=device)
-    if engine.engine == "megatron":           # on the CPU: verl_mcore.blocked raises
+    if engine.engine == "megatron":
         return verl_mcore.train_steps(model_path, jobs, peer=engine.peer,
-                                      version=engine.target.version, device=device)
+                                      version=engine.target.version, device=device,
+                                      engine=engine.mcore_engine)
     return train_steps(model_path, jobs, dp=engine.dp, peer=engine.peer, device=device,
                        ref_model_path=ref_model)

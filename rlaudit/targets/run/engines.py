@@ -18,10 +18,12 @@ import dataclasses
 from rlaudit.scenarios.invariants import CheckContext
 from rlaudit.scenarios.invariants.parity import ORACLE
 from rlaudit.scenarios.spec import Scenario
-from rlaudit.targets.contract.declare import Declarations
+from rlaudit.targets.contract.declare import NOISE_SCALE, RUN_TOLERANCES, Declarations
+from rlaudit.targets.run.noise import attach_noise_floor, with_noise_floor
 from rlaudit.targets.run.parity import apply_differences, check_invariant, metric_universe
 from rlaudit.verdict.compare import compare_runs
 from rlaudit.verdict.result import FAIL, NA, PASS, CheckResult
+from rlaudit.verdict.tolerance import Tolerance
 
 #: the check comparing two engines of one target (reported in the later engine's column)
 ENGINE_PARITY = "engine-parity"
@@ -36,17 +38,69 @@ def engines_of(adapter: object) -> tuple:
 def engine_checks(scn: Scenario, ctx: CheckContext, targets: list, decl: Declarations
                   ) -> list[CheckResult]:
     """Every invariant of ``scn`` per engine (``targets``: TargetBackends; the reference's own
-    results once, with the first), declared differences applied, then engine-parity."""
+    results once, with the first), declared differences applied, then engine-parity. An engine
+    that computes in a coarser precision than its target declares (its own ``train_precision``)
+    is checked, and compared with the first, at that precision (:func:`own_precision`)."""
     out: list[CheckResult] = []
+    first = targets[0]
     for i, t in enumerate(targets):
-        sub = ctx if len(targets) == 1 else dataclasses.replace(
-            ctx, runs={b: r for b, r in ctx.runs.items() if b in (t.name, ORACLE)})
-        for inv in scn.invariants:
-            found = apply_differences(check_invariant(inv, sub, t.name, t.adapter, t.skipped,
-                                                      t.unsupported), t.name, decl)
-            out += [r for r in found if i == 0 or r.backend == t.name]
-    out += [engine_parity(scn, ctx, targets[0], t) for t in targets[1:]]
+
+        def checks(runs: dict, t=t, i=i) -> list[CheckResult]:
+            sub = ctx if len(targets) == 1 else dataclasses.replace(
+                ctx, runs={b: r for b, r in runs.items() if b in (t.name, ORACLE)},
+                scenario=at_precision(ctx.scenario, t.adapter))
+            found = []
+            for inv in scn.invariants:
+                found += [r for r in apply_differences(
+                    check_invariant(inv, sub, t.name, t.adapter, t.skipped, t.unsupported),
+                    t.name, decl) if i == 0 or r.backend == t.name]
+            if i:
+                found.append(engine_parity(at_precision(scn, first.adapter, t.adapter),
+                                           dataclasses.replace(ctx, runs=runs), first, t))
+            return found
+
+        out += own_precision(scn, ctx, t, decl, checks) if i else checks(ctx.runs)
     return out
+
+
+#: per engine name, the context last checked at its own precision and its runs with that
+#: precision's noise floor attached (the runner calls engine_checks again after each draw of
+#: the target's own floor: the engine's is measured once per scenario)
+_OWN_NOISE: dict[str, tuple] = {}
+
+
+def own_precision(scn: Scenario, ctx: CheckContext, t, decl: Declarations, checks
+                  ) -> list[CheckResult]:
+    """``checks(runs)`` of engine ``t``: on ``ctx.runs`` as they are, or, when ``t`` declares a
+    ``train_precision`` whose noise scale exceeds its target's (verl's bf16 Megatron engine
+    beside its float32 FSDP one), on copies of the runs with that precision's noise floor
+    (rlaudit/targets/run/noise.py), measured as the runner measures the target's: only when a
+    check does not pass without it, up to NOISE_DRAWS draws. The target's own columns keep
+    their floor."""
+    scale = NOISE_SCALE.get(getattr(t.adapter, "train_precision", None) or "", 0.0)
+    if scale <= decl.noise() or ORACLE not in ctx.runs:
+        return checks(ctx.runs)
+    held = _OWN_NOISE.get(t.name)
+    if held is not None and held[0] is ctx:
+        return checks(held[1])
+    runs = {b: {v: dataclasses.replace(r) for v, r in rs.items()} for b, rs in ctx.runs.items()}
+    _OWN_NOISE.clear()
+    _OWN_NOISE[t.name] = (ctx, runs)
+    return with_noise_floor(checks(runs), lambda: checks(runs), lambda draw: attach_noise_floor(
+        runs, scn, ctx.variants, scale, draw=draw))
+
+
+def at_precision(scn: Scenario, *adapters) -> Scenario:
+    """``scn`` with its run-level floor at least that of each engine's own ``train_precision``
+    (an engine that computes in another precision than its target declares, e.g. verl's
+    Megatron engine in bf16 beside its FSDP engine in float32): the looser one wins, so
+    comparing two engines never alarms on the rounding of the coarser."""
+    floors = [RUN_TOLERANCES.get(getattr(a, "train_precision", None) or "") for a in adapters]
+    floors = [f for f in (scn.tol_floor, *floors) if f is not None]
+    if not floors:
+        return scn
+    return dataclasses.replace(scn, tol_floor=Tolerance(max(f.rtol for f in floors),
+                                                        max(f.atol for f in floors)))
 
 
 def engine_parity(scn: Scenario, ctx: CheckContext, first, other) -> CheckResult:
@@ -96,4 +150,4 @@ def _why_idle(target) -> str:
     return reasons[0] if reasons else "nothing returned"
 
 
-__all__ = ["ENGINE_PARITY", "engine_checks", "engine_parity", "engines_of"]
+__all__ = ["ENGINE_PARITY", "at_precision", "engine_checks", "engine_parity", "engines_of"]

@@ -1,11 +1,11 @@
-"""verl 0.9.1's Megatron engine, the full path (rlaudit.targets.peers.verl_mcore.train_steps):
+"""verl 0.9.1's Megatron engine, the column's path (rlaudit.targets.peers.verl_mcore.train_steps):
 verl's own engine worker with ``strategy: megatron`` in bf16 (all McoreEngineConfig accepts) on
 megatron-core through mbridge, one on-policy SGD step, against rlaudit's reference (float32) on
 the same batch within bf16 tolerances.
 
-``device`` / ``backend`` are parameters; the engine cannot run on the CPU (verl_mcore.blocked,
-tests/targets/peers/test_verl_mcore.py), so the only case is CUDA with NCCL, marked ``gpu`` for
-the nightly job. The CPU part here checks what this path hands verl: the overrides.
+``device`` / ``backend`` are parameters: the CPU case (gloo) is tests/targets/peers/
+test_verl_mcore.py; here the same code on CUDA with NCCL, marked ``gpu`` for the nightly job.
+The CPU part here checks what this path hands verl: the overrides.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ def _missing() -> str:
         if not _found(module):
             return f"{module} is not installed (verl 0.9.1's Megatron engine needs it)"
     if not torch.cuda.is_available():
-        return ("no CUDA device: verl 0.9.1's Megatron engine runs in bf16 / fp16 only and "
-                "mbridge moves the model with .cuda() (verl_mcore.LATER)")
+        return "no CUDA device (the CPU case is tests/targets/peers/test_verl_mcore.py)"
     return ""
 
 
@@ -67,6 +66,8 @@ def test_overrides_switch_the_engine_not_the_algorithm():
     assert f"{actor}.use_torch_compile" not in got
     assert got[f"{actor}.strategy"] == "megatron"
     assert got[f"{actor}.megatron.dtype"] == "bfloat16"
+    assert got[f"{actor}.megatron.vanilla_mbridge"] is True          # mbridge, pinned
+    assert got[f"{actor}.optim.total_training_steps"] == 1
     assert got[f"{actor}.optim.optimizer"] == "adam"          # megatron-core's name
     assert got[f"{actor}.optim.override_optimizer_config"] == {"adam_eps": 1e-8}
     assert got[f"{actor}.clip_ratio"] == 0.2 and got[f"{actor}.optim.lr"] == 0.05
