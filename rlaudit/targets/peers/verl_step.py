@@ -363,7 +363,8 @@ def shared_outputs(engine: VerlEngine, request: ReplayRequest, vs: list,
         if keys != [prefetch_key(v) for v in vs]:
             pending.exception()          # let it finish (its rank holds a core), then run anew
             return None
-        return [output(r, v.batch, engine.renames) for r, v in zip(pending.result(), mvs)]
+        return [output(r, v.batch, engine.renames, v.config)
+                for r, v in zip(pending.result(), mvs)]
     mega = next((e for e in getattr(engine.target, "engines", ())
                  if (e.engine, e.impl) == ("megatron", "engine")), None)
     if (engine.engine, engine.impl) != ("fsdp", "engine") or engine.dp != 1 or mega is None \
