@@ -7,6 +7,8 @@ real bug under the same declaration still fails"."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -383,6 +385,13 @@ def test_run_level_differences_cover_all_problems_or_none():
     out = apply_differences([one, two, other_backend], "t", decl)
     assert [r.status for r in out] == [DIFFERS, FAIL, FAIL]
     assert "loss-type" in out[0].message and out[0].details["differences"]["loss-type"]["count"] == 1
+    # dp-invariance compares with the same reference: backend-parity's declarations hold there
+    dp = dataclasses.replace(one, invariant="dp-invariance")
+    (dp_out,) = apply_differences([dp], "t", decl)
+    assert dp_out.status == DIFFERS
+    (other_check,) = apply_differences([dataclasses.replace(one, invariant="sanity-bounds")],
+                                       "t", decl)
+    assert other_check.status == FAIL
     # the red one leads with what is not declared, the declared one counted after it
     assert out[1].message.startswith("1 undeclared problem(s): step 0: actor/grad_norm = 1")
     assert "loss-type (1 problem(s))" in out[1].message

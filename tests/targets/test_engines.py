@@ -71,3 +71,29 @@ def test_identical_engines_agree(tiny_model, builtin_rollout):
     # the reference's own results appear once, not once per engine
     ref = [c for c in res.checks if c.backend == "reference"]
     assert len(ref) == len({c.invariant for c in ref})
+
+
+class Counting(Engine):
+    """An engine column checked by named invariants only (``checked_invariants``), counting
+    the steps it was asked for."""
+
+    def __init__(self, name: str, checks: tuple[str, ...]):
+        super().__init__(name, pg_loss_factor=2.0)
+        self.checked_invariants, self.calls = checks, 0
+
+    def train_step(self, **kw):
+        self.calls += 1
+        return super().train_step(**kw)
+
+
+def test_an_engine_with_its_own_checks_runs_only_for_them(tiny_model, builtin_rollout):
+    # its doubled pg_loss would fail backend-parity and engine-parity: neither is its check
+    own = Counting("two-dp", ("dp-invariance",))
+    res, checks = _run(TwoEngines(own), tiny_model, builtin_rollout)
+    assert own.calls == 0                             # the scenario checks no dp-invariance
+    assert not [c for c in res.checks if c.backend == "two-dp"]
+    own = Counting("two-only", ("backend-parity",))
+    res, checks = _run(TwoEngines(own), tiny_model, builtin_rollout)
+    assert own.calls > 0
+    assert {c.invariant for c in res.checks if c.backend == "two-only"} == {"backend-parity"}
+    assert checks[("two-only", "backend-parity")].status == FAIL

@@ -56,7 +56,7 @@ from rlaudit.targets.contract.adapter import TargetAdapter
 from rlaudit.targets.contract.declare import Difference, source_line
 from rlaudit.targets.peers import verl_compat
 from rlaudit.targets.peers.registry import import_advice
-from rlaudit.targets.peers import verl_step
+from rlaudit.targets.peers import verl_dp, verl_step
 from rlaudit.targets.peers.verl_layout import verl_tensors
 from rlaudit.targets.peers.verl_threads import ThreadGroup
 
@@ -137,6 +137,8 @@ class VerlAdapter(TargetAdapter):
         self.engines = tuple(verl_step.VerlEngine(self, e, impls[e])
                              for e in ("fsdp", "megatron") if e in impls)
         if impls.get("fsdp") == "engine":
+            # the FSDP engine again over two ranks: per-rank normalisers (verl_dp)
+            self.engines += (verl_step.VerlEngine(self, "fsdp", "engine", dp=verl_dp.DP),)
             self.differences += verl_step.train_differences(self.version)
             self.metric_reduction = {**self.metric_reduction, **verl_step.TRAIN_REDUCTION}
         elif "legacy" in impls.values():

@@ -31,7 +31,7 @@ from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.contract.declare import Difference
 from rlaudit.verdict.unsupported import UnsupportedFeature
 from rlaudit.targets.peers.verl_layout import to_batch_width
-from rlaudit.targets.peers import verl_dp_actor, verl_mcore, verl_megatron
+from rlaudit.targets.peers import verl_dp, verl_dp_actor, verl_mcore, verl_megatron
 from rlaudit.targets.peers.verl_train import rows_unsupported, train_steps, unsupported
 from rlaudit.targets.run.target_backend import replayed_runs
 
@@ -267,10 +267,15 @@ class VerlEngine:
     ``train_step`` / ``replay`` / ``supports`` of that engine; every other attribute (the
     declarations) is the target's."""
 
-    def __init__(self, target, engine: str, impl: str):
+    def __init__(self, target, engine: str, impl: str, dp: int | None = None):
         self.target, self.engine, self.impl = target, engine, impl
         self.name = f"verl-{engine}-{target.version}"
         self.dp = target.dp if (engine, impl) == ("fsdp", "engine") else 1
+        if dp is not None:          # the FSDP engine's dp column (verl_dp)
+            self.name, self.dp = f"verl-{engine}-dp{dp}-{target.version}", dp
+            self.layout = {"dp": dp}
+            #: the variants it runs and the invariants checked on it (engines.engine_checks)
+            self.only_variants, self.checked_invariants = verl_dp.VARIANTS, verl_dp.INVARIANTS
         self.metric_names = MEGATRON_METRICS if impl == "legacy" else TRAIN_METRICS
         self.renames = {} if impl == "legacy" else RENAMES
         #: another engine class for the Megatron engine's rank (verl_mcore.train_steps'
@@ -323,8 +328,10 @@ def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
     to_variant_run`). A variant whose rows verl would refuse (:func:`~rlaudit.targets.peers.
     verl_train.rows_unsupported`: not whole mini-batches) is not run: its invariants are n/a for
     verl ("not returned")."""
+    only = engine.__dict__.get("only_variants")      # the dp column's (verl_dp.VARIANTS)
     variants = [v for v in request.variants
-                if not rows_unsupported(v.config, len(v.batch), engine.dp)]
+                if not rows_unsupported(v.config, len(v.batch), engine.dp)
+                and (only is None or v.name in only)]
     if not variants:       # every variant's rows are ones verl refuses: nothing ran (n/a)
         return {}
 
@@ -334,6 +341,13 @@ def replay(engine: VerlEngine, request: ReplayRequest) -> dict[str, VariantRun]:
         shared = shared_outputs(engine, request, vs, held)
         if shared is not None:
             return shared
+        if engine.dp > 1:
+            laid = [verl_dp.laid_out(v.batch, v.config, engine.dp) for v in vs]
+            results = run_jobs(engine, request.model, [(b, v.config, v.steps) for (b, _), v
+                                                       in zip(laid, vs)],
+                               request.device, ref_model=request.ref_model)
+            return [verl_dp.restored(output(r, b, engine.renames, v.config), order)
+                    for r, (b, order), v in zip(results, laid, vs)]
         results = run_jobs(engine, request.model, [(v.batch, v.config, v.steps) for v in vs],
                            request.device, ref_model=request.ref_model)
         return [output(r, v.batch, engine.renames, v.config) for r, v in zip(results, vs)]

@@ -50,17 +50,31 @@ def engine_checks(scn: Scenario, ctx: CheckContext, targets: list, decl: Declara
                 ctx, runs={b: r for b, r in runs.items() if b in (t.name, ORACLE)},
                 scenario=at_precision(ctx.scenario, t.adapter))
             found = []
-            for inv in scn.invariants:
+            for inv in checked_invariants(scn, t.adapter):
                 found += [r for r in apply_differences(
                     check_invariant(inv, sub, t.name, t.adapter, t.skipped, t.unsupported),
                     t.name, decl) if i == 0 or r.backend == t.name]
-            if i:
+            if i and not own_checks(t.adapter):
                 found.append(engine_parity(at_precision(scn, first.adapter, t.adapter),
                                            dataclasses.replace(ctx, runs=runs), first, t))
             return found
 
         out += own_precision(scn, ctx, t, decl, checks) if i else checks(ctx.runs)
     return out
+
+
+def own_checks(adapter: object) -> tuple[str, ...]:
+    """The invariants an engine names for itself (``checked_invariants``: a column that adds
+    one property to an engine already checked in full, e.g. verl's FSDP engine over two ranks,
+    rlaudit/targets/peers/verl_dp.py); empty: every invariant of the scenario, and
+    engine-parity with the first engine."""
+    return tuple(getattr(adapter, "__dict__", {}).get("checked_invariants") or ())
+
+
+def checked_invariants(scn: Scenario, adapter: object) -> list[str]:
+    """The scenario's invariants that run on ``adapter``'s column (:func:`own_checks`)."""
+    own = own_checks(adapter)
+    return [i for i in scn.invariants if not own or i in own]
 
 
 #: per engine name, the context last checked at its own precision and its runs with that
@@ -150,4 +164,5 @@ def _why_idle(target) -> str:
     return reasons[0] if reasons else "nothing returned"
 
 
-__all__ = ["ENGINE_PARITY", "at_precision", "engine_checks", "engine_parity", "engines_of"]
+__all__ = ["ENGINE_PARITY", "at_precision", "checked_invariants", "engine_checks", "engine_parity",
+           "engines_of", "own_checks"]

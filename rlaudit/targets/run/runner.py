@@ -41,7 +41,7 @@ from rlaudit.targets.contract.declare import Declarations, read_declarations
 from rlaudit.targets.contract.load import load_adapter
 from rlaudit.targets.inputs import builtin
 from rlaudit.targets.inputs.dynamic_sampling import unfiltered_inputs
-from rlaudit.targets.run.engines import ENGINE_PARITY, engine_checks, engines_of
+from rlaudit.targets.run.engines import ENGINE_PARITY, checked_invariants, engine_checks, engines_of
 from rlaudit.targets.run.found import is_stage_case, replay
 from rlaudit.targets.run.localise import localise_target
 from rlaudit.targets.run.noise import attach_noise_floor, with_noise_floor
@@ -168,8 +168,11 @@ class TargetPolicy(ScenarioPolicy):
             res.checks.append(CheckResult("*", self.name, NA, f"target unavailable: {why}"))
             return None
         freeze_long_lived()   # trainers collect garbage themselves: keep it off the imports
+        # an engine column checked by named invariants only (engines.own_checks) runs when
+        # the scenario checks one of them: otherwise it would train for no check
         return [(b, backend, localise.replay_request(scn, variants, b, self.timeout))
-                for b, backend in ([(t.name, t) for t in self.targets]
+                for b, backend in ([(t.name, t) for t in self.targets
+                                    if checked_invariants(scn, t.adapter)]
                                    + [(ORACLE, get_backend(ORACLE))])]
 
     def replay_all(self, jobs: list) -> list:

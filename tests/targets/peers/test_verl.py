@@ -133,6 +133,12 @@ def test_verl_091(tmp_path):
     # its parameters are the bf16 ones its model holds: identities over ||delta theta|| / lr
     # do not apply (the invariant says why), never red
     assert mega["grad-norm-identity"]["status"] == "n/a", mega["grad-norm-identity"]
+    # the FSDP engine over two ranks (verl_dp.py): dp-invariance only, against the reference,
+    # with backend-parity's declared differences
+    dp2 = columns["verl-fsdp-dp2-0.9.1"]
+    assert set(dp2) == {"dp-invariance"}, sorted(dp2)
+    assert dp2["dp-invariance"]["status"] == "differs", dp2["dp-invariance"]["message"]
+    assert "score-metrics-skip-empty-responses" in dp2["dp-invariance"]["message"]
 
 
 @pytest.mark.slow
