@@ -24,8 +24,8 @@ MODEL_PATH = "<model>"
 #: keys ``verl_overrides`` sets to one value whatever the config: why
 FIXED = {
     "trainer.device": "the CPU audit (the device is a run option, not a knob)",
-    "trainer.n_gpus_per_node": "the adapter's data-parallel size (VerlAdapter.dp, 1): a layout, "
-                               "not a config knob",
+    "trainer.n_gpus_per_node": "the column's data-parallel size (1; 2 on verl-fsdp-dp2, "
+                               "verl_dp.py): a layout, not a config knob",
     "trainer.nnodes": "one node",
     f"{MODEL}path": "the scenario's model snapshot",
     f"{MODEL}use_remove_padding": "True: verl's packed (padding-free) forward, the engine "
