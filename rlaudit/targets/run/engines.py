@@ -8,7 +8,10 @@ Every invariant runs per engine with the reference as the oracle, as for a one-e
 then ``engine-parity`` compares each further engine with the first on every variant both ran
 (the backend-parity comparison, over the metric names both log and the per-token tensors both
 return): backend parity inside the target. An adapter without ``engines`` is its own only
-engine, and its results are what they were.
+engine, and its results are what they were. An engine may name the only invariants checked on
+its column (``checked_invariants``, :func:`own_checks`: one property added to an engine already
+checked in full, such as verl's FSDP engine over two ranks for dp-invariance); it then runs only
+in scenarios that check one of them, and takes no engine-parity.
 """
 
 from __future__ import annotations
