@@ -8,37 +8,26 @@ is why the column exists.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from verl091 import MODEL, missing
 
 from rlaudit.config import load_config
 from rlaudit.data.io import load_rollout
 from rlaudit.targets.contract.own_adapters import ReferenceAdapter
-from rlaudit.targets.peers import peers_dir
 from rlaudit.targets.peers.verl_dp import laid_out, restored
 from rlaudit.targets.peers.verl_step import output
 from rlaudit.targets.peers.verl_train import train_rank, train_steps
 
 REPO = Path(__file__).resolve().parents[3]
-MODEL = REPO / "scenarios" / "models" / "qwen2-tiny-short"
 ROLLOUT = REPO / "scenarios" / "rollouts" / "short-ref.safetensors"
-PEER = peers_dir() / "verl-0.9.1"
 #: float32 on both sides, different reduction orders
 RTOL = 1e-4
 
 
-def _missing() -> str:
-    if not (PEER / "verl").is_dir():
-        return f"verl 0.9.1 is not installed under {PEER.parent} (run `make peers`)"
-    if not (PEER / "hydra").is_dir() and importlib.util.find_spec("hydra") is None:
-        return f"hydra-core is missing from {PEER} (re-run `make peers`)"
-    return ""
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_missing()), reason=_missing())]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(missing()), reason=missing())]
 
 # 16 rows (4 prompts x n 4), mini-batches of 8 rows: two optimizer steps, so the row order
 # handed to the ranks decides which rows each step trains

@@ -14,23 +14,20 @@ from the batch): the same comparison then fails, so it can.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from verl091 import MODEL, missing
 
 from rlaudit.config import load_config
 from rlaudit.data.io import load_rollout
 from rlaudit.scenarios.invariants.rollout_corr import naive_is_weights
 from rlaudit.targets.contract.own_adapters import ReferenceAdapter
-from rlaudit.targets.peers import peers_dir
 from rlaudit.targets.peers.verl_train import train_rank, train_steps
 
 REPO = Path(__file__).resolve().parents[3]
-MODEL = REPO / "scenarios" / "models" / "qwen2-tiny-short"
-PEER = peers_dir() / "verl-0.9.1"
 #: float32 on both sides, different reduction orders
 RTOL = 1e-4
 REF_MODEL = REPO / "scenarios" / "models" / "qwen2-tiny"
@@ -38,15 +35,7 @@ KL_ROLLOUT = REPO / "scenarios" / "rollouts" / "short-ref.safetensors"
 IS_ROLLOUT = REPO / "scenarios" / "rollouts" / "short-stale.safetensors"
 KL_COEF, KL_LOSS_COEF, IS_THRESHOLD = 0.05, 0.1, 1.5
 
-def _missing() -> str:
-    if not (PEER / "verl").is_dir():
-        return f"verl 0.9.1 is not installed under {PEER.parent} (run `make peers`)"
-    if not (PEER / "hydra").is_dir() and importlib.util.find_spec("hydra") is None:
-        return f"hydra-core is missing from {PEER} (re-run `make peers`)"
-    return ""
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_missing()), reason=_missing())]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(missing()), reason=missing())]
 
 
 def _config(**extra):
