@@ -44,6 +44,11 @@ MEGATRON_CONFIG = "trainer/config/_generated_ppo_megatron_trainer.yaml"
 ENGINE_DEVICE = "rlaudit-mcore-local"
 #: rlaudit's optimizer -> megatron-core's OptimizerConfig.optimizer
 OPTIMIZERS = {"adamw": "adam", "sgd": "sgd"}
+#: why tensor parallelism does not run on the CPU: mbridge turns sequence parallelism on with it
+#: (mbridge/core/llm_bridge.py:76), which megatron-core's torch norms refuse
+#: (megatron/core/transformer/torch_norm.py:32); TE's or Apex's norms need CUDA
+TP_BLOCKER = ("tp > 1: mbridge sets sequence_parallel = tp > 1 (mbridge/core/llm_bridge.py:76) "
+              "and megatron-core's torch norm refuses it (transformer/torch_norm.py:32)")
 
 
 def config_error(dtype: str = "float32") -> str | None:
@@ -107,20 +112,30 @@ def overrides(fsdp: dict[str, Any], optimizer: str, eps: float, steps: int = 1
 
 def train_steps(model_path, jobs: list, *, peer: str | None = None, version: str = "0.9.1",
                 device: str = "cpu", backend: str | None = None, params: bool | str = True,
-                engine: str | None = None, timeout: float = 600.0) -> list[dict]:
-    """verl_train.train_steps on the Megatron engine, one rank (gloo on ``cpu``, NCCL on
-    ``cuda``, or ``backend``): per job the reduced metrics per step, step 0's tensors and (when
-    ``params``) the parameters after each step by Hugging Face name (mbridge's export): the
-    model's bf16 ones, or with ``params="main"`` the optimizer's float32 main weights
-    (verl_mcore_cpu.hf_params). ``engine``: ``"module:factory"``, a function returning a
-    subclass of verl_mcore_cpu.MegatronEngineCPU to run instead (a test's broken engine)."""
+                engine: str | None = None, timeout: float = 600.0,
+                layout: dict[str, int] | None = None) -> list[dict]:
+    """verl_train.train_steps on the Megatron engine (gloo on ``cpu``, NCCL on ``cuda``, or
+    ``backend``), one rank or ``layout`` ``{"pp": P, "dp": D}`` (tp > 1: :data:`TP_BLOCKER`):
+    per job the reduced metrics per step, step 0's tensors and (when ``params``) the parameters
+    after each step by Hugging Face name (mbridge's export): the model's bf16 ones, or with
+    ``params="main"`` the optimizer's float32 main weights (verl_mcore_cpu.hf_params). At dp > 1
+    lay the rows out first (verl_dp.laid_out): verl's dispatch chunks them per dp rank.
+    ``engine``: ``"module:factory"``, a function returning a subclass of
+    verl_mcore_cpu.MegatronEngineCPU to run instead (a test's broken engine)."""
+    layout = {"pp": 1, "dp": 1, **(layout or {})}
+    if set(layout) - {"pp", "dp"}:
+        raise ValueError(f"layout keys are pp and dp ({TP_BLOCKER}), got {sorted(layout)}")
     request = mcore_request(model_path, jobs, peer=peer, version=version, device=device,
                             params=params, engine=engine)
+    actor = "actor_rollout_ref.actor"
+    for job in request["jobs"]:
+        job["overrides"].update({f"{actor}.megatron.pipeline_model_parallel_size": layout["pp"],
+                                 "trainer.n_gpus_per_node": layout["pp"] * layout["dp"]})
     # no environment of its own: on the CPU the rank is then forked from the launcher's
     # forkserver, torch and megatron-core already imported (rlaudit/backends/launch), and sets
     # what verl reads itself (train_rank)
-    return launch(train_rank, 1, args=(request,), timeout=timeout * len(jobs), device=device,
-                  backend=backend)[0]
+    return launch(train_rank, layout["pp"] * layout["dp"], args=(request,),
+                  timeout=timeout * len(jobs), device=device, backend=backend)[0]
 
 
 def mcore_request(model_path, jobs: list, *, peer, version, device, params, engine) -> dict:
@@ -212,6 +227,6 @@ def train_job(info, job: dict, *, params: bool | str) -> dict:
     return result
 
 
-__all__ = ["ENGINE_DEVICE", "MEGATRON_CONFIG", "OPTIMIZERS", "config_error", "cuda",
-           "mcore_request", "overrides", "run_mcore", "train_job", "train_rank",
+__all__ = ["ENGINE_DEVICE", "MEGATRON_CONFIG", "OPTIMIZERS", "TP_BLOCKER", "config_error",
+           "cuda", "mcore_request", "overrides", "run_mcore", "train_job", "train_rank",
            "train_steps"]

@@ -237,7 +237,7 @@ def train_job(info, job: dict, *, params: bool, config_file: str = DEFAULT_CONFI
     trainer.actor_rollout_wg = LocalWorkerGroup(worker, info.rank, info.world_size)
     ref = reference_policy(trainer, job.get("ref_model"))
     if ref is not None:
-        trainer.ref_policy_wg = LocalWorkerGroup(ref, info.rank, info.world_size)
+        trainer.ref_policy_wg = LocalWorkerGroup(ref, info.rank, info.world_size, mesh="ref")
     result: dict[str, Any] = {"metrics": [], "raw_metrics": [], "params": []}
     for step in range(job["steps"]):
         metrics, raw, tokens = fit_step(trainer, rollout_proto(job["tensors"], cfg))
@@ -324,17 +324,43 @@ def rollout_proto(tensors: dict[str, torch.Tensor], cfg):
 
 
 class LocalWorkerGroup:
-    """The Ray worker group as seen from one rank: rank r gets chunk r of the batch (verl's
-    dispatch: equal contiguous chunks over the dp mesh) and the collected output is every rank's,
-    concatenated in rank order (all_gather_object)."""
+    """The Ray worker group as seen from one rank, dispatching and collecting as verl's nd
+    dispatch does (single_controller/base/decorator.py: dispatch_lazy_compute_data_proto,
+    collect_lazy_compute_data_proto) from what the worker registered for its mesh (``actor``,
+    or ``ref`` for the reference worker): the batch cut into as many equal contiguous chunks as
+    the mesh has dp ranks, this rank computing the chunk of its dp rank, and the outputs of the
+    collecting ranks (per dp rank, the one holding the outputs: the last pipeline stage's on
+    Megatron, every rank on FSDP) concatenated in rank order, on every rank."""
 
-    def __init__(self, worker, rank: int, world: int):
-        self.worker, self.rank, self.world = worker, rank, world
+    def __init__(self, worker, rank: int, world: int, mesh: str = "actor"):
+        self.worker, self.rank, self.world, self.mesh = worker, rank, world, mesh
+        self.layout: tuple[int, int, list[int]] | None = None
+
+    def mesh_layout(self) -> tuple[int, int, list[int]]:
+        """(this rank's dp rank, the dp size, the collecting ranks) of the mesh."""
+        if self.layout is None:
+            mine = (self.worker._query_dispatch_info(self.mesh),
+                    bool(self.worker.query_collect_info(self.mesh)))
+            everyone = [mine]
+            if self.world > 1:
+                everyone = [None] * self.world
+                torch.distributed.all_gather_object(everyone, mine)
+            self.layout = (mine[0], max(d for d, _ in everyone) + 1,
+                           [r for r, (_, collect) in enumerate(everyone) if collect])
+        return self.layout
 
     def _chunk(self, td):
         # lazy: verl is an optional peer
         from verl.utils import tensordict_utils as tu
-        return tu.chunk_tensordict(td, self.world)[self.rank] if self.world > 1 else td
+        dp_rank, dp_size, _ = self.mesh_layout()
+        return tu.chunk_tensordict(td, dp_size)[dp_rank] if dp_size > 1 else td
+
+    def _collected(self, out) -> list:
+        if self.world == 1:
+            return [out]
+        outs = [None] * self.world
+        torch.distributed.all_gather_object(outs, out)
+        return [outs[r] for r in self.mesh_layout()[2]]
 
     def compute_log_prob(self, td):
         return self._gathered(self.worker.compute_log_prob, td)
@@ -345,11 +371,9 @@ class LocalWorkerGroup:
     def _gathered(self, method, td):
         # lazy: verl is an optional peer
         from verl.utils import tensordict_utils as tu
-        out = method(self._chunk(td))
-        if self.world == 1:
-            return out
-        outs = [None] * self.world
-        torch.distributed.all_gather_object(outs, out)
+        outs = self._collected(method(self._chunk(td)))
+        if len(outs) == 1:
+            return outs[0]
         metrics = tu.get(outs[0], "metrics")
         cat = tu.concat_tensordict([o.select(*[k for k in o.keys() if k != "metrics"])
                                     for o in outs])
@@ -357,8 +381,9 @@ class LocalWorkerGroup:
         return cat
 
     def update_actor(self, td):
-        # the metrics are all-gathered over dp inside the worker: rank 0's output is the result
-        return self.worker.update_actor(self._chunk(td))
+        # the metrics are all-gathered over dp inside the worker: the first collecting rank's
+        # output is the result
+        return self._collected(self.worker.update_actor(self._chunk(td)))[0]
 
 
 def _plain(value):
