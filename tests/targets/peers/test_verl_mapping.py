@@ -25,7 +25,10 @@ def test_unsupported_names_each_setting_it_cannot_map():
     from rlaudit.targets.peers.verl_train import unsupported
     assert unsupported(_config()) == []
     assert unsupported(load_config({"trainer": {"dtype": "float64"}})) == []   # run in float32
-    cases = {"actor.use_kl_loss": ({"actor": {"use_kl_loss": True}}, "KL"),
+    # the KL loss and KL in reward are mapped (through verl's reference worker, verl_kl.py)
+    assert unsupported(load_config({"actor": {"use_kl_loss": True}})) == []
+    cases = {"rollout-KL": ({"actor": {"rollout_correction": {"use_rollout_kl_loss": True}}},
+                            "rollout-KL"),
              "bf16": ({"trainer": {"dtype": "bfloat16"}}, "trainer.dtype"),
              "gae": ({"algorithm": {"adv_estimator": "gae"}}, "adv_estimator"),
              "norm": ({"actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}},
