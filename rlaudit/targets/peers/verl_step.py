@@ -302,9 +302,12 @@ class VerlEngine:
         why = rows_unsupported(config, len(batch), self.dp)
         if why:
             raise NotImplementedError(why)
-        (result,) = run_jobs(self, model_path, [(batch, config, steps)], device,
+        laid, order = (verl_dp.laid_out(batch, config, self.dp) if self.dp > 1
+                       else (batch, None))
+        (result,) = run_jobs(self, model_path, [(laid, config, steps)], device,
                              ref_model=ref_model_path)
-        return output(result, batch, self.renames, config)
+        out = output(result, laid, self.renames, config)
+        return out if order is None else verl_dp.restored(out, order)
 
     def replay(self, request):
         """Every supported variant of a scenario in one group of ranks (:func:`replay`)."""
