@@ -22,19 +22,13 @@ from rlaudit.config import Config
 from rlaudit.data.batch import RolloutBatch
 from rlaudit.targets.contract.adapter import TrainStepOutput
 from rlaudit.targets.peers.verl_layout import dispatch_order
+from rlaudit.targets.peers.verl_train import mini_rows
 
 #: the column's data-parallel size
 DP = 2
 #: the variants it runs, and the only invariant checked on it (module docstring)
 VARIANTS = ("base",)
 INVARIANTS = ("dp-invariance",)
-
-
-def mini_rows(cfg: Config, rows: int) -> int:
-    """Rows per optimizer step as verl_train.verl_overrides sets them: ``ppo_mini_batch_size``
-    prompts of ``rollout.n`` rows, at most the whole batch."""
-    n = cfg.rollout.n
-    return min(cfg.actor.ppo_mini_batch_size, max(rows // n, 1)) * n
 
 
 def laid_out(batch: RolloutBatch, cfg: Config, dp: int) -> tuple[RolloutBatch, list[int]]:
@@ -60,4 +54,4 @@ def restored(out: TrainStepOutput, order: list[int]) -> TrainStepOutput:
                                tokens={k: back(v) for k, v in out.tokens.items()})
 
 
-__all__ = ["DP", "INVARIANTS", "VARIANTS", "laid_out", "mini_rows", "restored"]
+__all__ = ["DP", "INVARIANTS", "VARIANTS", "laid_out", "restored"]

@@ -91,12 +91,19 @@ def unsupported(cfg: Config) -> list[str]:
     return [why for why, bad in checks.items() if bad]
 
 
+def mini_rows(cfg: Config, rows: int) -> int:
+    """Rows per optimizer step as :func:`verl_overrides` sets them: ``ppo_mini_batch_size``
+    prompts of ``rollout.n`` rows, at most the whole batch (a batch smaller than a mini-batch
+    is one)."""
+    n = cfg.rollout.n
+    return min(cfg.actor.ppo_mini_batch_size, max(rows // n, 1)) * n
+
+
 def rows_unsupported(cfg: Config, rows: int, dp: int = 1) -> str:
     """Why verl cannot cut ``rows`` into ``cfg``'s mini-batches over ``dp`` ranks ("" if it
     can): its trainer checks the batch is whole mini-batches (tensordict_utils.make_iterator
-    asserts it, utils/tensordict_utils.py:588); a batch smaller than a mini-batch is one."""
-    n = cfg.rollout.n
-    mini = min(cfg.actor.ppo_mini_batch_size, max(rows // n, 1)) * n
+    asserts it, utils/tensordict_utils.py:588)."""
+    mini = mini_rows(cfg, rows)
     if rows % mini or mini % dp:
         return (f"{rows} rows do not cut into mini-batches of {mini} rows over {dp} rank(s) "
                 f"(verl's make_iterator asserts it)")
